@@ -1,0 +1,1 @@
+"""Triton kernels for the TriZone cache (installed as ``rdkv.kernels``)."""

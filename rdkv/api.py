@@ -1,0 +1,178 @@
+"""Public entry points: ``attach`` an attention path, prefill as usual, then ``compress``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import quant
+from .attention import RDKVState, rdkv_attention
+from .distortion import MODELS, LayerTables, layer_tables
+from .errors import RDKVError
+from .trizone import PackSpec, TriZoneCache, TriZoneLayer, pack_layer
+from .weights import FORMS, layer_sums
+from .solvers.allocate import allocate
+
+NAME = "rdkv"
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    """How ``compress`` estimates, prices and packs. Every field can be overridden by keyword."""
+
+    weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
+    distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
+    scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
+    floor: float = 0.1  # prior attention a future query may put on any token (see rdkv.distortion)
+    sinks: int = 4  # first tokens that may not be evicted
+    recent: int = 32  # last prefill tokens that may not be evicted
+    spec: PackSpec = field(default_factory=PackSpec)
+
+    def check(self) -> None:
+        if self.weights not in FORMS:
+            raise RDKVError(f"weights={self.weights!r} is not one of {FORMS}")
+        if self.distortion not in MODELS:
+            raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
+        if self.scope not in ("global", "layer"):
+            raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
+        if self.sinks < 0 or self.recent < 0:
+            raise RDKVError("sinks and recent must be >= 0")
+
+
+def attach(model: torch.nn.Module, window: int = 64) -> torch.nn.Module:
+    """Install rdkv's attention path on ``model`` (in place) and return it.
+
+    Prefill then runs exact attention that also records what the weight estimator needs; decoding on a
+    compressed cache runs the TriZone decode. ``window`` is the number of last prefill queries kept for
+    the observation-window weights.
+    """
+    if not isinstance(window, int) or window < 1:
+        raise RDKVError(f"window must be a positive int, got {window!r}")
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    if not mods or not hasattr(model, "set_attn_implementation"):
+        raise RDKVError(
+            f"{type(model).__name__} has no transformers attention modules (layer_idx, num_key_value_groups): "
+            "rdkv serves transformers decoders such as Llama, Qwen, Mistral and Gemma 3"
+        )
+    AttentionInterface.register(NAME, rdkv_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    state = RDKVState(window=window)
+    for m in mods:
+        m._rdkv_state = state
+    model._rdkv_state = state
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        model._rdkv_previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(NAME)
+    return model
+
+
+def detach(model: torch.nn.Module) -> torch.nn.Module:
+    """Restore the attention implementation ``attach`` replaced and drop rdkv's state."""
+    state = getattr(model, "_rdkv_state", None)
+    if state is None:
+        raise RDKVError("model is not attached")
+    for m in model.modules():
+        if getattr(m, "_rdkv_state", None) is state:
+            del m._rdkv_state
+    model.set_attn_implementation(model.__dict__.pop("_rdkv_previous_attn", "sdpa"))
+    return model
+
+
+def release(model: torch.nn.Module) -> None:
+    """Forget the last prefill's statistics and its references to the uncompressed cache."""
+    _state(model).layers.clear()
+
+
+def _state(model: torch.nn.Module) -> RDKVState:
+    state = getattr(model, "_rdkv_state", None)
+    if state is None:
+        raise RDKVError("model is not attached: call rdkv.attach(model) before the prefill, then compress")
+    if not state.layers:
+        raise RDKVError("no prefill seen since attach: run model(input_ids, use_cache=True) first, then compress")
+    return state
+
+
+def _config(config: CompressConfig | None, overrides: dict) -> CompressConfig:
+    """Apply keyword overrides; PackSpec fields (v_group, k_group, k_block) may be given directly."""
+    cfg = config or CompressConfig()
+    spec_keys = {f.name for f in fields(PackSpec)}
+    unknown = set(overrides) - spec_keys - {f.name for f in fields(CompressConfig)}
+    if unknown:
+        raise RDKVError(f"unknown option(s) {sorted(unknown)}; CompressConfig fields and {sorted(spec_keys)} are accepted")
+    spec = {k: overrides.pop(k) for k in spec_keys & set(overrides)}
+    cfg = replace(cfg, **overrides)
+    if spec:
+        cfg = replace(cfg, spec=replace(cfg.spec, **spec))
+    cfg.check()
+    return cfg
+
+
+def _check_budget(budget) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise RDKVError(f"budget must be a number in (0, 1] (a fraction of the fp16 cache bytes), got {budget!r}")
+    if math.isnan(budget) or not 0 < budget <= 1:
+        raise RDKVError(f"budget must be in (0, 1] (a fraction of the fp16 cache bytes), got {budget}")
+    return float(budget)
+
+
+def _dtype16(model: torch.nn.Module) -> torch.dtype:
+    return torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float16
+
+
+@torch.no_grad()
+def compress(model: torch.nn.Module, budget: float, *, config: CompressConfig | None = None, **overrides) -> TriZoneCache:
+    """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
+    ``budget`` x its fp16 bytes. The uncompressed cache and the model are left untouched, so one prefill
+    can be compressed at several budgets; on any error nothing changes.
+    """
+    cfg = _config(config, overrides)
+    budget = _check_budget(budget)
+    state = _state(model)
+    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
+    if sorted(state.layers) != list(range(n_layers)):
+        raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")
+    tables: list[LayerTables] = []
+    sources = []
+    for i in range(n_layers):
+        st = state.layers[i]
+        B, H, _, D = st.key.shape
+        cfg.spec.check(D)
+        start = st.start if st.sliding_window is None else max(st.start, st.seen - st.sliding_window + 1)
+        k = st.key[..., start - st.start :, :].float()
+        v = st.value[..., start - st.start :, :].float()
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise RDKVError(f"layer {i}: the cache holds NaN or Inf; the prefill itself is broken (check dtype/overflow)")
+        if max(k.abs().max(), v.abs().max()) > quant.FP16_MAX:
+            raise RDKVError(f"layer {i}: cache values exceed the fp16 range, which the packed format cannot store")
+        present = st.valid[:, None, start:].expand(B, H, -1)
+        sums = layer_sums(st, cfg.weights)
+        cut = start - (st.seen - sums.mass.shape[-1])
+        sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
+        t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, cfg.floor)
+        pos = torch.arange(start, st.seen, device=k.device)
+        first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
+        protect = (first & present) | (pos >= st.seen - cfg.recent)
+        t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
+        tables.append(t)
+        sources.append((k, v, start, st))
+    # fp16 bytes of what the cache holds, per sequence: K and V rows of 2 * head_dim bytes each
+    fp16 = [sum(int(t.present[b].sum()) * 4 * t.perm.shape[-1] for t in tables) for b in range(len(tables[0].present))]
+    try:
+        v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope)
+    except ValueError as e:
+        raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
+    widths = torch.tensor(quant.WIDTHS, device=tables[0].dv.device)
+    layers = []
+    for (k, v, start, st), t, vo, ko in zip(sources, tables, v_opt, k_opt):
+        kbits = widths[ko]  # [B, H, nb]
+        order = kbits.argsort(dim=-1, stable=True)  # blocks of one width contiguous
+        perm = t.perm.unflatten(-1, (-1, cfg.spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, cfg.spec.k_block))
+        layers.append(pack_layer(k, v, start, widths[vo], kbits.gather(-1, order), perm.flatten(-2), cfg.spec,
+                                 _dtype16(model), st.sliding_window, st.seen))
+    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget)
+    if cache.nbytes > budget * cache.fp16_bytes + 1e-6:
+        raise AssertionError(f"rdkv bug: packed {cache.nbytes} B exceeds budget {budget * cache.fp16_bytes:.0f} B")
+    return cache

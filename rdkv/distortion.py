@@ -1,0 +1,115 @@
+"""Distortion and byte tables for the allocator, one layer at a time.
+
+Two distortion models:
+
+* ``"output"`` (default): every option is priced as the expected squared error it causes in the
+  attention output, summed over the weight queries, so V tokens and K channels share one unit and one
+  multiplier means equal marginal returns. With independent errors, a V row error r_t adds
+  sum_q p_qt^2 ||r_t||^2; evicting the token is the same with r_t = v_t - (mean value). A key error
+  e_tc shifts score q_c e_tc * scale, which moves the output by p_qt ds_qt (v_t - o), so a K channel
+  costs scale^2 * mean(q_c^2) * sum_t m_t ||v_t - o||^2 e_tc^2. Here m_t = sum_q p_qt^2 plus a prior
+  ``floor * n_queries / T``: the chance that a future query, unlike the prefill's, concentrates on
+  token t. Without it, tokens the prefill ignored (a needle, before its question) look free to evict.
+  Errors are measured by quantizing each unit at each width.
+* ``"paper"``: RDKV's w * sigma * 2^-b for both, with w = sum_q p_qt for tokens and
+  ||Q_c|| ||K_c|| / sqrt(d) for channels, each on its own scale.
+
+Bytes are the exact bytes each option adds to the packed cache (see :mod:`rdkv.trizone`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant
+from .attention import AttentionSums
+from .errors import RDKVError
+from .trizone import PackSpec, pos_dtype
+from .weights import channel_weights, token_weights
+
+MODELS = ("output", "paper")
+W = torch.tensor(quant.WIDTHS, dtype=torch.float32)
+
+
+@dataclass
+class LayerTables:
+    """Allocation inputs for one layer: units are V tokens [B, H, T] and K channel blocks [B, H, nb]."""
+
+    dv: torch.Tensor  # [B, H, T, 5] distortion of each V width
+    rv: torch.Tensor  # [5] bytes of one V row (codes, scales, zeros, position) per width
+    present: torch.Tensor  # [B, H, T] bool: tokens in the cache (not padding, inside the window)
+    dk: torch.Tensor  # [B, H, nb, 5] distortion of each K width per block
+    perm: torch.Tensor  # [B, H, D] channel order; block j = perm[..., j*kb:(j+1)*kb]
+    spec: PackSpec
+    fixed: int  # bytes per sequence independent of the allocation (counts, permutation, block widths)
+
+    def rk(self, n: torch.Tensor) -> torch.Tensor:
+        """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""
+        kb, g = self.spec.k_block, self.spec.k_group
+        n = n.double().unsqueeze(-1)
+        groups = torch.ceil(n / g)
+        w = W.to(n.device, torch.float64)
+        packed = kb * w / 8 * n + kb * groups * quant.META_BYTES
+        full = 2 * kb * n
+        return torch.where(w == 0, 2.0 * kb, torch.where(w == 16, full, packed))
+
+
+def fixed_bytes(heads: int, head_dim: int, spec: PackSpec) -> int:
+    """Per-sequence bytes of one layer that do not depend on the allocation."""
+    return heads * (4 * 4 + head_dim * (1 if head_dim <= 256 else 2) + head_dim // spec.k_block)
+
+
+def _v_errors(v: torch.Tensor, w: torch.Tensor, spec: PackSpec) -> torch.Tensor:
+    """||v_t - Q_b(v_t)||^2 per width [B, H, T, 5]; width 0 is the distance to the weighted mean value."""
+    mean = (w.unsqueeze(-1) * v).sum(2, keepdim=True) / w.sum(2, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
+    errs = [(v - mean).square().sum(-1)]
+    g = v.unflatten(-1, (-1, spec.v_group))
+    for b in quant.PACKED:
+        errs.append((g - quant.fake_quantize(g, b)).square().sum((-1, -2)))
+    errs.append((v - v.half().float()).square().sum(-1))
+    return torch.stack(errs, -1)
+
+
+def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: PackSpec) -> torch.Tensor:
+    """sum_t m_t e_tc(b)^2 per channel and width [B, H, D, 5] (groups of k_group tokens per channel)."""
+    B, H, T, D = k.shape
+    kc = k.transpose(-1, -2)  # [B, H, D, T]
+    n = present.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-2)
+    mean = (kc * present.unsqueeze(-2)).sum(-1, keepdim=True) / n
+    kc = torch.where(present.unsqueeze(-2), kc, mean)  # padding must not widen any group's range
+    pad = (-T) % spec.k_group
+    kp = torch.cat([kc, kc[..., -1:].expand(B, H, D, pad)], -1) if pad else kc
+    g = kp.unflatten(-1, (-1, spec.k_group))
+    errs = [(kc - mean).square()]
+    for b in quant.PACKED:
+        errs.append((g - quant.fake_quantize(g, b)).square().flatten(-2)[..., :T])
+    errs.append((kc - kc.half().float()).square())
+    return torch.stack([(e * m.unsqueeze(-2)).sum(-1) for e in errs], -1)
+
+
+def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
+                 spec: PackSpec, end: int, model: str = "output", floor: float = 0.1) -> LayerTables:
+    """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``)."""
+    if model not in MODELS:
+        raise RDKVError(f"unknown distortion model {model!r}; choose one of {MODELS}")
+    B, H, T, D = k.shape
+    w = token_weights(sums) * present
+    if model == "output":
+        nq = sums.nq.clamp_min(1).view(B, 1, 1)
+        m = (sums.mass2 + floor * nq / present.sum(-1, keepdim=True).clamp_min(1)) * present
+        ev = _v_errors(v, w, spec)
+        dv = m.unsqueeze(-1) * ev
+        dkc = scaling**2 * (sums.q2 / nq).unsqueeze(-1) * _k_errors(k, m * ev[..., 0], present, spec)
+    else:
+        halving = 2.0 ** -W.clamp_min(0).to(k.device)
+        halving[0] = 1.0
+        dv = (w * v.std(-1, correction=0)).unsqueeze(-1) * halving
+        kk = k * present.unsqueeze(-1)
+        dkc = (channel_weights(sums, kk) * kk.std(-2, correction=0)).unsqueeze(-1) * halving
+    perm = dkc[..., 1].argsort(-1, descending=True)  # group channels of similar 2-bit sensitivity
+    dk = dkc.gather(2, perm.unsqueeze(-1).expand_as(dkc)).unflatten(2, (-1, spec.k_block)).sum(3)
+    pos_bytes = torch.tensor([], dtype=pos_dtype(end)).element_size()
+    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group) + (pos_bytes if b else 0) for b in quant.WIDTHS],
+                      dtype=torch.float64)
+    return LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec))

@@ -1,0 +1,63 @@
+"""Pure-torch TriZone decode: the oracle the fused Triton kernel is tested against.
+
+Attention over zones A+B (dequantized) and zone C (fresh 16-bit tokens) is computed as two partial
+softmaxes merged by log-sum-exp, exactly the structure of the split-K kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import allowed_keys
+from .trizone import TriZoneLayer
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scaling: float,
+                      softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [S, M, D], k/v [S, N, D], ok [S, M, N] -> (normalised output [S, M, D], lse [S, M]).
+
+    A row with no visible key has lse = -inf and output 0, so it drops out of the merge.
+    """
+    s = torch.einsum("smd,snd->smn", q, k) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = (s - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp()
+    return torch.einsum("smn,snd->smd", p, v), lse
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine normalised partial outputs by their log-sum-exp weights."""
+    lse = torch.stack([p[1] for p in parts])  # [Z, S, M]
+    w = torch.softmax(lse, 0).nan_to_num(0.0)  # all -inf -> zero output
+    return sum(wi.unsqueeze(-1) * o for wi, (o, _) in zip(w, parts))
+
+
+def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
+                      softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D].
+
+    ``mask``, if given, is transformers' bool mask over absolute positions [B, 1, L, >=seq_len]; its
+    columns are gathered at the positions of the kept tokens.
+    """
+    B, Hq, L, D = query.shape
+    H = layer.heads
+    G, S = Hq // H, B * H
+    q = query.float().reshape(S, G * L, D)
+    seq = layer.get_seq_length()
+    dev = query.device
+    q_pos = torch.arange(seq - L, seq, device=dev).repeat(G)  # [G*L], head-major like q
+    window = sliding_window if layer.sliding_window is None else layer.sliding_window
+
+    K, V, pos, valid = layer.dequantize()
+    ok_a = allowed_keys(q_pos, pos, window) & valid.unsqueeze(1)  # [S, G*L, Na]
+    kc = layer.t["kc"].float().reshape(S, -1, D)
+    vc = layer.t["vc"].float().reshape(S, -1, D)
+    c_pos = torch.arange(layer.prefix_len, seq, device=dev)
+    ok_c = allowed_keys(q_pos, c_pos, window).expand(S, -1, -1)
+    if mask is not None:
+        m = mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)  # [S, G*L, seq]
+        ok_a = ok_a & m.gather(2, pos.unsqueeze(1).expand_as(ok_a))
+        ok_c = ok_c & m[:, :, layer.prefix_len : seq]
+    out = merge([partial_attention(q, K, V, ok_a, scaling, softcap), partial_attention(q, kc, vc, ok_c, scaling, softcap)])
+    return out.reshape(B, Hq, L, D).to(query.dtype)

@@ -1,0 +1,76 @@
+"""What a compressed cache kept, at which width, and what every byte is spent on."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant
+
+COMPONENTS = ("codes", "scales", "zeros", "fp16 rows", "indices", "zone C")
+
+
+def component(name: str) -> str:
+    """Which accounting bucket a TriZone tensor belongs to."""
+    if name in ("kc", "vc"):
+        return "zone C"
+    if name.endswith(".codes"):
+        return "codes"
+    if name.endswith(".scale"):
+        return "scales"
+    if name.endswith(".zero") or name == "k0.mean":
+        return "zeros"
+    if name in ("v16", "k16"):
+        return "fp16 rows"
+    return "indices"  # pos, v_counts, k_perm, k_bits
+
+
+@dataclass
+class Report:
+    """Per (layer, sequence, kv head): V tokens and K channels per width; bytes per component."""
+
+    rows: list[dict]
+    components: dict[str, int]
+    nbytes: int
+    fp16_bytes: int
+    tokens: int  # prefix tokens (logical positions) per sequence
+
+    @classmethod
+    def of(cls, cache) -> "Report":
+        rows, comps = [], dict.fromkeys(COMPONENTS, 0)
+        for li, layer in enumerate(cache.layers):
+            for name, t in layer.t.items():
+                comps[component(name)] += t.numel() * t.element_size()
+            vw, kw = layer.v_widths(), layer.k_widths()
+            for b in range(layer.batch):
+                for h in range(layer.heads):
+                    row = {"layer": li, "seq": b, "head": h}
+                    row |= {f"v{w}": int((vw[b, h] == w).sum()) for w in quant.WIDTHS}
+                    row |= {f"k{w}": int((kw[b, h] == w).sum()) for w in quant.WIDTHS}
+                    rows.append(row)
+        batch = cache.layers[0].batch
+        return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch)
+
+    def totals(self) -> dict[str, int]:
+        keys = [k for k in self.rows[0] if k[0] in "vk"]
+        return {k: sum(r[k] for r in self.rows) for k in keys}
+
+    def __str__(self) -> str:
+        tot = self.totals()
+        v_all = sum(tot[f"v{w}"] for w in quant.WIDTHS)
+        k_all = sum(tot[f"k{w}"] for w in quant.WIDTHS)
+        lines = [
+            f"TriZoneCache: {self.nbytes:,} B = {self.nbytes / self.fp16_bytes:.4f} of fp16 ({self.fp16_bytes:,} B), "
+            f"{self.nbytes / self.tokens:.1f} B per prefix token",
+            "V tokens by width:  " + "  ".join(f"{w:>2}b {tot[f'v{w}'] / v_all:6.1%}" for w in quant.WIDTHS)
+            + "   (0b = evicted)",
+            "K channels by width:" + "  ".join(f"{w:>2}b {tot[f'k{w}'] / k_all:6.1%}" for w in quant.WIDTHS),
+            "bytes by component: " + "  ".join(f"{k} {v:,}" for k, v in self.components.items()),
+            "",
+            "| layer | seq | head | " + " | ".join(f"V{w}" for w in quant.WIDTHS) + " | "
+            + " | ".join(f"K{w}" for w in quant.WIDTHS) + " |",
+            "|" + "---|" * (3 + 2 * len(quant.WIDTHS)),
+        ]
+        for r in self.rows:
+            lines.append("| " + " | ".join(str(v) for v in r.values()) + " |")
+        return "\n".join(lines)

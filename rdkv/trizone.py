@@ -1,0 +1,277 @@
+"""The TriZone cache: packed old zone (A), 16-bit V rows (B), fresh tokens (C).
+
+Layout of one layer, for S = batch * kv_heads streams, each with its own allocation:
+
+* Tokens a stream keeps are ordered by V width class (2, 4, 8, 16), then by position. ``v_counts``
+  [S, 4] holds the class sizes; every other index is derived from it.
+* V rows of class w in {2, 4, 8} (zone A) are packed codes ``v{w}.codes`` [rows, D*w/8] with one fp16
+  scale and zero per ``v_group`` channels; class 16 rows are ``v16`` (zone B), in the 16-bit dtype.
+* K is stored per channel block of ``k_block`` channels. ``k_perm`` [S, D] permutes the channels so
+  blocks are contiguous and ordered by width; ``k_bits`` [S, D/k_block] gives each block's width.
+  The rows of all (block, stream) pairs of width w, block-major, are ``k{w}.codes`` [rows, k_block*w/8],
+  with one fp16 scale and zero per channel per ``k_group`` consecutive tokens of a pair. Width 16 is
+  ``k16``; width 0 stores only the channel means ``k0.mean``.
+* ``pos`` [N] is the absolute position of each kept token (needed by sliding-window masks and reports).
+* Zone C, ``kc``/``vc`` [B, H, n, D], holds tokens appended after compression, in the 16-bit dtype.
+
+``nbytes`` is the sum of every tensor the layer holds; no other state is kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import quant
+from .errors import RDKVError
+
+V_CLASSES = (2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """Group sizes of the packed format (they set the metadata bytes)."""
+
+    v_group: int = 64  # channels per V scale/zero
+    k_group: int = 128  # tokens per K scale/zero, per channel
+    k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
+
+    def check(self, head_dim: int) -> None:
+        for name, g in (("v_group", self.v_group), ("k_block", self.k_block)):
+            if g <= 0 or head_dim % g:
+                raise RDKVError(f"{name}={g} must divide head_dim={head_dim}; pick a divisor such as {head_dim}")
+        if self.k_group <= 0 or self.k_block % 4 or self.v_group % 4:
+            raise RDKVError("k_group must be positive and v_group/k_block multiples of 4 (2-bit codes pack 4 per byte)")
+
+
+def pos_dtype(length: int) -> torch.dtype:
+    return torch.int16 if length <= torch.iinfo(torch.int16).max else torch.int32
+
+
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segment sizes ``counts`` [P]: (segment id, index inside the segment) of every element."""
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    return seg, torch.arange(len(seg), device=counts.device) - starts[seg]
+
+
+def _k_pairs(k_bits: torch.Tensor, n: torch.Tensor, width: int, k_group: int):
+    """Rows of the (block, stream) pairs with K width ``width``, block-major.
+
+    Returns (stream, block, pair, token index, group id) per row, the number of pairs and of groups.
+    """
+    blk, s = torch.nonzero(k_bits.T == width, as_tuple=True)
+    pair, i = _segments(n[s])
+    groups = torch.div(n[s] + k_group - 1, k_group, rounding_mode="floor")
+    gid = (torch.cumsum(groups, 0) - groups)[pair] + torch.div(i, k_group, rounding_mode="floor")
+    return s[pair], blk[pair], pair, i, gid, len(s), int(groups.sum())
+
+
+def _group_minmax(x: torch.Tensor, gid: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = gid.unsqueeze(-1).expand_as(x)
+    lo = x.new_full((groups, x.shape[-1]), float("inf")).scatter_reduce(0, idx, x, "amin")
+    hi = x.new_full((groups, x.shape[-1]), float("-inf")).scatter_reduce(0, idx, x, "amax")
+    return lo, hi
+
+
+class TriZoneLayer(CacheLayerMixin):
+    """One layer of a compressed cache. ``update`` appends to zone C and returns the layer itself,
+    which the rdkv attention function recognises and decodes."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, tensors: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int,
+                 start: int, prefix_len: int, spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype):
+        super().__init__()
+        self.t = tensors
+        self.batch, self.heads, self.head_dim = batch, heads, head_dim
+        self.start = start  # first position this layer held at compress time (sliding layers hold a window)
+        self.prefix_len, self.spec, self.sliding_window, self.dtype16 = prefix_len, spec, sliding_window, dtype16
+        self.is_sliding = sliding_window is not None
+        self.is_initialized = True
+
+    # --- transformers cache-layer API -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != self.batch or key_states.shape[1] != self.heads:
+            raise RDKVError(
+                f"new keys have batch/heads {tuple(key_states.shape[:2])}, the compressed cache holds "
+                f"{(self.batch, self.heads)}: continue with the same batch the cache was compressed from"
+            )
+        self.t["kc"] = torch.cat([self.t["kc"], key_states.to(self.dtype16)], 2)
+        self.t["vc"] = torch.cat([self.t["vc"], value_states.to(self.dtype16)], 2)
+        return self, self
+
+    def get_seq_length(self) -> int:
+        return self.prefix_len + self.t["kc"].shape[2]
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # masks are built over absolute positions; decode gathers the columns of the tokens it kept
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.get_seq_length() + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RDKVError("beam search is not supported on a compressed cache; use greedy or sampling")
+
+    def reset(self) -> None:
+        raise RDKVError("a compressed cache cannot be reset; prefill again and call rdkv.compress")
+
+    # --- accounting ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.t["pos"].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.t.values())
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Tokens kept per stream [S]."""
+        return self.t["v_counts"].sum(1).long()
+
+    # --- reference decode support ---------------------------------------------------------------
+    def token_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(stream, index in stream, V class 0..3) of every kept token, in ``pos`` order."""
+        counts = self.t["v_counts"].long()
+        s, i = _segments(counts.sum(1))
+        bounds = torch.cumsum(counts, 1)[s]  # [N, 4]
+        cls = (i.unsqueeze(1) >= bounds).sum(1)
+        return s, i, cls
+
+    def v_widths(self) -> torch.Tensor:
+        """V width of every held prefix position [B, H, prefix_len - start] (0 = evicted)."""
+        s, _, cls = self.token_index()
+        out = torch.zeros(self.batch * self.heads, self.prefix_len - self.start, dtype=torch.long, device=self.device)
+        out[s, self.t["pos"].long() - self.start] = torch.tensor(V_CLASSES, device=self.device)[cls]
+        return out.view(self.batch, self.heads, -1)
+
+    def k_widths(self) -> torch.Tensor:
+        """K width of every channel, in the model's channel order [B, H, D]."""
+        S, D = self.batch * self.heads, self.head_dim
+        per_perm = self.t["k_bits"].long().repeat_interleave(self.spec.k_block, 1)
+        out = torch.empty(S, D, dtype=torch.long, device=self.device)
+        out.scatter_(1, self.t["k_perm"].long(), per_perm)
+        return out.view(self.batch, self.heads, D)
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zones A+B as dense float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax].
+
+        This is the torch reference: it unpacks the whole layer. The fused kernel never does.
+        """
+        t, D, spec = self.t, self.head_dim, self.spec
+        S = self.batch * self.heads
+        n = self.kept
+        nmax = int(n.max()) if S else 0
+        dev = self.device
+        K = torch.zeros(S, nmax, D, device=dev)
+        V = torch.zeros(S, nmax, D, device=dev)
+        pos = torch.zeros(S, nmax, dtype=torch.long, device=dev)
+        s, i, cls = self.token_index()
+        pos[s, i] = t["pos"].long()
+        for c, w in enumerate(V_CLASSES):
+            sel = cls == c
+            if w == 16:
+                rows = t["v16"].float()
+            else:
+                codes = quant.unpack(t[f"v{w}.codes"], w).unflatten(-1, (-1, spec.v_group))
+                rows = quant.dequantize(codes, t[f"v{w}.scale"], t[f"v{w}.zero"]).flatten(-2)
+            V[s[sel], i[sel]] = rows
+        kb = spec.k_block
+        Kp = torch.zeros(S, nmax, D, device=dev)  # channels in permuted order
+        lane = torch.arange(kb, device=dev)
+        for w in quant.WIDTHS:
+            ps, pb, pair, pi, gid, _, _ = _k_pairs(t["k_bits"], n, w, spec.k_group)
+            if w == 0:
+                rows = t["k0.mean"].float()[pair]
+            elif w == 16:
+                rows = t["k16"].float()
+            else:
+                codes = quant.unpack(t[f"k{w}.codes"], w).float()
+                rows = codes * t[f"k{w}.scale"].float()[gid] + t[f"k{w}.zero"].float()[gid]
+            Kp[ps.unsqueeze(1), pi.unsqueeze(1), pb.unsqueeze(1) * kb + lane] = rows
+        K.scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, nmax, D), Kp)
+        valid = torch.arange(nmax, device=dev) < n.unsqueeze(1)
+        return K, V, pos, valid
+
+
+def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,
+               k_perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
+               prefix_len: int) -> TriZoneLayer:
+    """Pack k, v [B, H, T, D] (absolute positions start..start+T-1) given widths per V token
+    [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D]."""
+    B, H, T, D = k.shape
+    S, dev, kb = B * H, k.device, spec.k_block
+    k, v = k.reshape(S, T, D).float(), v.reshape(S, T, D).float()
+    v_width, k_bits, k_perm = v_width.reshape(S, T), k_bits.reshape(S, D // kb), k_perm.reshape(S, D)
+    rank = torch.full_like(v_width, len(V_CLASSES))
+    for c, w in enumerate(V_CLASSES):
+        rank[v_width == w] = c
+    order = (rank * T + torch.arange(T, device=dev)).argsort(1)
+    counts = torch.stack([(v_width == w).sum(1) for w in V_CLASSES], 1)
+    n = counts.sum(1)
+    keep = torch.arange(T, device=dev) < n.unsqueeze(1)
+    s_flat = torch.arange(S, device=dev).unsqueeze(1).expand(S, T)[keep]
+    t_flat = order[keep]
+    cls = rank.gather(1, order)[keep]
+    t: dict[str, torch.Tensor] = {
+        "v_counts": counts.to(torch.int32),
+        "pos": (t_flat + start).to(pos_dtype(start + T)),
+        "k_perm": k_perm.to(torch.uint8 if D <= 256 else torch.int16),
+        "k_bits": k_bits.to(torch.uint8),
+    }
+    vf = v[s_flat, t_flat]
+    for c, w in enumerate(V_CLASSES):
+        rows = vf[cls == c]
+        if w == 16:
+            t["v16"] = rows.to(dtype16)
+            continue
+        codes, scale, zero = quant.quantize(rows.unflatten(-1, (-1, spec.v_group)), w)
+        t[f"v{w}.codes"] = quant.pack(codes.flatten(-2), w)
+        t[f"v{w}.scale"], t[f"v{w}.zero"] = scale, zero
+    kp = k[s_flat, t_flat].gather(1, k_perm.long()[s_flat])  # [N, D] channels permuted
+    for w in quant.WIDTHS:
+        ps, pb, pair, pi, gid, npairs, groups = _k_pairs(k_bits, n, w, spec.k_group)
+        rows = kp.unflatten(1, (-1, kb))[(torch.cumsum(n, 0) - n)[ps] + pi, pb]  # [R, kb]
+        if w == 0:
+            mean = rows.new_zeros(npairs, kb).index_add_(0, pair, rows)
+            cnt = rows.new_zeros(npairs).index_add_(0, pair, rows.new_ones(len(rows)))
+            t["k0.mean"] = (mean / cnt.clamp_min(1).unsqueeze(1)).to(quant.META_DTYPE)
+        elif w == 16:
+            t["k16"] = rows.to(dtype16)
+        else:
+            lo, hi = _group_minmax(rows, gid, groups)
+            scale, zero = quant.scale_zero(lo, hi, w)
+            codes = quant.codes(rows, scale[gid], zero[gid], w)
+            t[f"k{w}.codes"] = quant.pack(codes, w)
+            t[f"k{w}.scale"], t[f"k{w}.zero"] = scale, zero
+    t["kc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
+    t["vc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
+    return TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=prefix_len, spec=spec,
+                        sliding_window=sliding_window, dtype16=dtype16)
+
+
+class TriZoneCache(Cache):
+    """A transformers ``Cache`` whose layers are :class:`TriZoneLayer`."""
+
+    def __init__(self, layers: list[TriZoneLayer], fp16_bytes: int, budget: float | None = None):
+        super().__init__(layers=layers)
+        self.fp16_bytes = fp16_bytes  # what the compressed prefix takes as a plain fp16 cache
+        self.budget = budget
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte the cache holds: codes, scales, zeros, indices, counts and zone C."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def report(self):
+        from .report import Report
+
+        return Report.of(self)

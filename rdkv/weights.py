@@ -1,0 +1,40 @@
+"""Weight estimators: how much each V token and each K channel matters to attention.
+
+Both forms read the sums streamed during prefill (:mod:`rdkv.attention`); neither ever forms a T x T
+tensor. ``"all"`` is the paper's form (every prefill query), ``"window"`` re-attends only the last W
+queries, which does not favour early tokens just because more queries can see them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionSums, LayerStats, attend
+from .errors import RDKVError
+
+FORMS = ("all", "window")
+
+
+def layer_sums(stats: LayerStats, form: str) -> AttentionSums:
+    """Sums over the chosen query set, with keys restricted to the tokens the layer's cache holds."""
+    if form == "all":
+        s = stats.sums
+        return AttentionSums(s.mass[..., stats.start :], s.mass2[..., stats.start :], s.q2, s.nq)
+    if form == "window":
+        q = stats.window_q
+        dev = q.device
+        q_pos = torch.arange(stats.seen - q.shape[2], stats.seen, device=dev)
+        k_pos = torch.arange(stats.start, stats.seen, device=dev)
+        mask = stats.valid[:, None, None, stats.start :].expand(-1, 1, q.shape[2], -1)
+        _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask)
+        return sums
+    raise RDKVError(f"unknown weight form {form!r}; choose one of {FORMS}")
+
+
+def token_weights(sums: AttentionSums) -> torch.Tensor:
+    """w_t [B, H, T]: attention mass each token receives, summed over queries and grouped heads."""
+    return sums.mass
+
+
+def channel_weights(sums: AttentionSums, keys: torch.Tensor) -> torch.Tensor:
+    """w_c [B, H, D] = ||Q[:, c]|| * ||K[:, c]|| / sqrt(d), the paper's key-channel weight."""
+    return sums.q2.sqrt() * keys.float().square().sum(-2).sqrt() / keys.shape[-1] ** 0.5

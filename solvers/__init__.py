@@ -1,0 +1,3 @@
+from .mckp import exact, lagrangian
+
+__all__ = ["lagrangian", "exact"]

@@ -1,0 +1,62 @@
+"""RDKV's allocation: V token widths, then K block widths for the kept tokens, under one byte budget.
+
+Phase 1 solves one multiple-choice knapsack over every V token and every K block of a sequence (all
+layers and heads together for ``scope="global"``, which yields adaptive per-head budgets), with one
+multiplier so marginal returns are equal across K and V. K blocks are charged as if every token were
+kept. Phase 2 re-solves the K blocks for the tokens phase 1 kept, spending the bytes eviction freed.
+Phase 1's K choice stays feasible in phase 2 (fewer tokens never cost more), so phase 2 always fits.
+"""
+from __future__ import annotations
+
+import torch
+
+from .mckp import lagrangian
+
+
+def _solve_sequence(tables: list, b: int, budget: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes."""
+    budget -= sum(t.fixed for t in tables)
+    dev = tables[0].dv.device
+    dv = [t.dv[b][t.present[b]] for t in tables]
+    rv = [t.rv.to(dev).expand(len(d), -1) for t, d in zip(tables, dv)]
+    dk = [t.dk[b].flatten(0, 1) for t in tables]
+    n_all = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream
+    rk = [t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_all)]
+    D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
+    R = torch.cat([torch.cat(rv), torch.cat(rk)])
+    choice = lagrangian(D, R, budget)
+    nv = sum(len(d) for d in dv)
+    v_choice = choice[:nv].split([len(d) for d in dv])
+    v_widths, n_kept = [], []
+    for t, c in zip(tables, v_choice):
+        full = torch.zeros(t.present[b].shape, dtype=torch.long, device=dev)
+        full[t.present[b]] = c
+        v_widths.append(full)
+        n_kept.append((full > 0).sum(-1))
+    spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
+    rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
+    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v)
+    k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
+    return v_widths, k_widths
+
+
+def allocate(tables: list, budgets: list[float], scope: str = "global") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Option indices per V token [B, H, T] and per K block [B, H, nb], one entry per layer.
+
+    ``budgets[b]`` is sequence b's byte budget; ``scope="layer"`` splits it across layers in proportion
+    to each layer's fp16 bytes instead of solving all layers together.
+    """
+    if scope not in ("global", "layer"):
+        raise ValueError(f"unknown allocation scope {scope!r}; use 'global' or 'layer'")
+    per_seq = []
+    for b, budget in enumerate(budgets):
+        if scope == "global":
+            per_seq.append(_solve_sequence(tables, b, budget))
+            continue
+        fp16 = torch.tensor([float(t.present[b].sum()) * t.rv[-1].item() for t in tables])
+        share = fp16 / fp16.sum()
+        parts = [_solve_sequence([t], b, budget * float(f)) for t, f in zip(tables, share)]
+        per_seq.append(([p[0][0] for p in parts], [p[1][0] for p in parts]))
+    v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
+    k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]
+    return v, k

@@ -1,0 +1,31 @@
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+torch.set_grad_enabled(False)
+
+
+def tiny_llama(seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:
+    """A random-weight Llama with GQA (4 query heads over 2 KV heads, head_dim 32)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny_gemma3(seed: int = 0) -> Gemma3ForCausalLM:
+    """A random-weight Gemma 3: MQA, q/k norms, sliding-window layers (window 16) and one full layer."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=1024)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+SMALL = dict(v_group=32, k_group=32, k_block=16)
+
+
+@pytest.fixture
+def llama():
+    return tiny_llama()

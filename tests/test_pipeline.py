@@ -1,0 +1,114 @@
+"""attach -> prefill -> compress -> decode on tiny random-weight models (fast, exact checks)."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+import rdkv
+from conftest import SMALL, tiny_gemma3, tiny_llama
+
+
+def test_prefill_through_rdkv_equals_sdpa(llama):
+    ids = torch.randint(0, 96, (2, 70))
+    want = llama(ids).logits
+    rdkv.attach(llama)
+    torch.testing.assert_close(llama(ids, use_cache=True).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_prefill_gives_the_same_statistics(llama):
+    ids = torch.randint(0, 96, (1, 90))
+    rdkv.attach(llama)
+    llama(ids, use_cache=True)
+    one = {i: s.sums.mass.clone() for i, s in llama._rdkv_state.layers.items()}
+    cache = DynamicCache(config=llama.config)
+    llama(ids[:, :50], past_key_values=cache)
+    llama(ids[:, 50:], past_key_values=cache)
+    for i, s in llama._rdkv_state.layers.items():
+        torch.testing.assert_close(s.sums.mass, one[i], rtol=1e-4, atol=1e-5)
+
+
+def continuation(model, cache, nxt):
+    return model(nxt, past_key_values=cache).logits
+
+
+def test_budget_one_matches_the_full_cache(llama):
+    ids, nxt = torch.randint(0, 96, (1, 100)), torch.randint(0, 96, (1, 4))
+    rdkv.attach(llama)
+    full = llama(ids, use_cache=True).past_key_values
+    cache = rdkv.compress(llama, 1.0, **SMALL)
+    assert cache.get_seq_length() == 100
+    got, want = continuation(llama, cache, nxt), continuation(llama, full, nxt)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-3)  # only fp16 rounding of K and V remains
+    assert cache.get_seq_length() == 104
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25, 0.12])
+def test_bytes_stay_within_budget_and_quality_degrades_gracefully(llama, budget):
+    ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 4))
+    rdkv.attach(llama)
+    full = llama(ids, use_cache=True).past_key_values
+    cache = rdkv.compress(llama, budget, spec=rdkv.PackSpec(**SMALL))
+    assert cache.nbytes <= budget * cache.fp16_bytes
+    assert cache.nbytes >= 0.95 * budget * cache.fp16_bytes  # the solver spends what it is given
+    want = continuation(llama, full, nxt).log_softmax(-1)
+    got = continuation(llama, cache, nxt).log_softmax(-1)
+    kl = (want.exp() * (want - got)).sum(-1).mean()
+    assert kl < 0.05 * (1 / budget)
+
+
+def test_left_padded_batch_equals_each_sequence_alone():
+    model = tiny_llama(1)
+    rdkv.attach(model)
+    a, b = torch.randint(0, 96, (1, 60)), torch.randint(0, 96, (1, 45))
+    nxt = torch.randint(0, 96, (2, 3))
+    pad = torch.cat([torch.zeros(1, 15, dtype=torch.long), b], 1)
+    ids = torch.cat([a, pad])
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :15] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    batch = rdkv.compress(model, 0.3, **SMALL)
+    mask2 = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
+    got = model(nxt, past_key_values=batch, attention_mask=mask2, position_ids=pos[:, -1:] + 1 + torch.arange(3)).logits
+    for i, seq in enumerate((a, b)):
+        model(seq, use_cache=True)
+        alone = rdkv.compress(model, 0.3, **SMALL)
+        want = model(nxt[i : i + 1], past_key_values=alone).logits
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_resumes_from_a_compressed_cache(llama):
+    ids, q = torch.randint(0, 96, (1, 80)), torch.randint(0, 96, (1, 5))
+    rdkv.attach(llama)
+    full = llama(ids, use_cache=True).past_key_values
+    want = llama.generate(torch.cat([ids, q], 1), past_key_values=full, max_new_tokens=8, do_sample=False)
+    llama(ids, use_cache=True)
+    cache = rdkv.compress(llama, 1.0, **SMALL)
+    got = llama.generate(torch.cat([ids, q], 1), past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    assert cache.get_seq_length() == 80 + 5 + 7
+
+
+def test_gemma3_sliding_window_layers_decode_like_the_full_cache():
+    model = tiny_gemma3()
+    rdkv.attach(model)
+    ids = torch.randint(0, 96, (1, 40))  # longer than the 16-token window
+    full = model(ids, use_cache=True).past_key_values
+    cache = rdkv.compress(model, 1.0, spec=rdkv.PackSpec(**SMALL))
+    assert cache.layers[0].start == 40 - 15 and cache.layers[2].start == 0
+    for step in range(20):  # decode past another window length, one token at a time
+        tok = torch.randint(0, 96, (1, 1))
+        torch.testing.assert_close(model(tok, past_key_values=cache).logits, model(tok, past_key_values=full).logits, rtol=0, atol=5e-3)
+    cache = rdkv.compress(model, 0.3, spec=rdkv.PackSpec(**SMALL))
+    assert cache.nbytes <= 0.3 * cache.fp16_bytes
+
+
+def test_two_compressions_of_one_prefill_are_independent(llama):
+    ids, nxt = torch.randint(0, 96, (1, 90)), torch.randint(0, 96, (1, 3))
+    rdkv.attach(llama)
+    llama(ids, use_cache=True)
+    c1 = rdkv.compress(llama, 0.3, **SMALL)
+    c2 = rdkv.compress(llama, 0.3, **SMALL)
+    assert c1.nbytes == c2.nbytes
+    a = continuation(llama, c1, nxt)
+    continuation(llama, c1, nxt)  # c1 grows, c2 must not
+    assert torch.equal(a, continuation(llama, c2, nxt))
