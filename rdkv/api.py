@@ -26,7 +26,7 @@ class CompressConfig:
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
-    floor: float = 0.1  # prior attention a future query may put on any token (see rdkv.distortion)
+    floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
     spec: PackSpec = field(default_factory=PackSpec)

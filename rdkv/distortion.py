@@ -89,7 +89,7 @@ def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: Pac
 
 
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
-                 spec: PackSpec, end: int, model: str = "output", floor: float = 0.1) -> LayerTables:
+                 spec: PackSpec, end: int, model: str = "output", floor: float = 1.0) -> LayerTables:
     """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``)."""
     if model not in MODELS:
         raise RDKVError(f"unknown distortion model {model!r}; choose one of {MODELS}")

@@ -48,6 +48,107 @@ def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
     return budget
 
 
+SWAP_UNITS = 20_000  # instances this small also get a swap search (large ones have negligible slack)
+SWAP_TRIES = 24
+
+
+def at(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return X.gather(1, c[:, None])
+
+
+def cost(R: torch.Tensor, c: torch.Tensor) -> float:
+    return at(R, c).sum().item()
+
+
+def moves(D: torch.Tensor, R: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distortion saved and bytes added by moving each unit from c to each option."""
+    return at(D, c) - D, R - at(R, c)
+
+
+def _fill(D: torch.Tensor, R: torch.Tensor, choice: torch.Tensor, budget: float) -> torch.Tensor:
+    """Spend the slack: per unit take the upgrade (lower D, higher R, fits) with the best distortion
+    saved per byte, and apply the best-ranked prefix that fits; repeat a few rounds."""
+    for _ in range(8):
+        left = budget - cost(R, choice)
+        dD, dR = moves(D, R, choice)
+        ok = (dD > 0) & (dR > 0) & (dR <= left)
+        if not ok.any():
+            break
+        gain, best = torch.where(ok, dD / dR, -math.inf).max(1)
+        units = ok.any(1).nonzero().squeeze(1)
+        units = units[gain[units].argsort(descending=True)]
+        step = dR[units, best[units]]
+        take = units[step.cumsum(0) <= left]
+        new = choice.clone()
+        new[take] = best[take]
+        if cost(R, new) > budget:  # float rounding of the cumsum vs. the sum; stay feasible
+            break
+        choice = new
+    return choice
+
+
+def _swap(D: torch.Tensor, R: torch.Tensor, choice: torch.Tensor, budget: float) -> torch.Tensor:
+    """Local search the relaxation cannot do: pin one unit to another option, re-solve the rest, and
+    keep the result if it is better. Matters when a few options are large next to the slack (a K
+    block of many tokens against single V rows); candidates are the pinned moves with the best
+    distortion saved per byte (upgrades) and the least lost per byte (downgrades)."""
+    best_d = at(D, choice).sum().item()
+    dD, dR = moves(D, R, choice)
+    allowed = D.isfinite() & (dR != 0)
+    up = torch.where(allowed & (dR > 0) & (dD > 0), dD / dR, -math.inf).flatten()
+    down = torch.where(allowed & (dR < 0), dD / dR, math.inf).flatten()
+    tries = torch.cat([up.argsort(descending=True)[:SWAP_TRIES], down.argsort()[:SWAP_TRIES]])
+    step = torch.where(allowed, dR.abs(), math.inf).amin(1)  # each unit's smallest move in bytes
+    for flat in tries.tolist():
+        u, o = divmod(flat, D.shape[1])
+        if not bool(allowed[u, o]):
+            continue
+        # re-solve with u pinned, once freely and once with the units as lumpy as this move frozen,
+        # so many small units (not one other big one) can pay for it
+        for freeze in (False, True):
+            pinned = D.clone()
+            lumpy = (step >= dR[u, o].abs() / 4) if freeze else torch.zeros_like(step, dtype=torch.bool)
+            lumpy[u] = True
+            keep = choice.clone()
+            keep[u] = o
+            mask = torch.zeros_like(D, dtype=torch.bool)
+            mask[lumpy] = True
+            mask[lumpy, keep[lumpy]] = False
+            pinned[mask] = math.inf
+            if torch.where(pinned.isfinite(), R, math.inf).amin(1).sum().item() > budget:
+                continue
+            trial = _solve(pinned, R, budget)
+            d = at(D, trial).sum().item()
+            if d < best_d - 1e-12 * abs(best_d):
+                best_d, choice = d, trial
+    return choice
+
+
+def _solve(D: torch.Tensor, R: torch.Tensor, budget: float) -> torch.Tensor:
+    """Bisect the multiplier for the best choice that fits, then spend the slack greedily."""
+    choice = D.argmin(1)  # lam = 0
+    if cost(R, choice) > budget:
+        # Exact bracket: the first unit leaves lam=0's choice at lo, the last one reaches
+        # its cheapest option (lowest D among the cheapest allowed) at hi.
+        dD, dR = moves(D, R, choice)
+        lo = torch.where(dR < 0, dD / dR, math.inf).amin().item() / 2
+        cheap = torch.where(D.isfinite(), R, math.inf)
+        choice = torch.where(cheap == cheap.amin(1, keepdim=True), D, math.inf).argmin(1)
+        dD, dR = moves(D, R, choice)
+        hi = torch.where((dD > 0) & (dR > 0), dD / dR, 0.0).amax().item() * 2
+        for _ in range(60):  # bisect lam in log space; choice keeps the best that fits
+            if hi <= lo * (1 + 1e-6):  # slack left by a coarser lam is what the greedy fills
+                break
+            mid = math.sqrt(lo * hi)
+            c = torch.add(D, R, alpha=mid).argmin(1)
+            if cost(R, c) <= budget:
+                hi, choice = mid, c
+            else:
+                lo = mid
+
+    return _fill(D, R, choice, budget)
+
+
 def lagrangian(D: Array, R: Array, budget: float) -> Array:
     """Fast near-optimal MCKP: bisect the Lagrange multiplier, then greedily spend the slack.
 
@@ -66,54 +167,9 @@ def lagrangian(D: Array, R: Array, budget: float) -> Array:
     if perm is not None:
         D, R = D.gather(1, perm), R.gather(1, perm)
 
-    def at(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return X.gather(1, c[:, None])
-
-    def cost(c: torch.Tensor) -> float:
-        return at(R, c).sum().item()
-
-    def moves(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Distortion saved and bytes added by moving each unit from c to each option."""
-        return at(D, c) - D, R - at(R, c)
-
-    choice = D.argmin(1)  # lam = 0
-    if cost(choice) > budget:
-        # Exact bracket: the first unit leaves lam=0's choice at lo, the last one reaches
-        # its cheapest option (lowest D among the cheapest allowed) at hi.
-        dD, dR = moves(choice)
-        lo = torch.where(dR < 0, dD / dR, math.inf).amin().item() / 2
-        cheap = torch.where(D.isfinite(), R, math.inf)
-        choice = torch.where(cheap == cheap.amin(1, keepdim=True), D, math.inf).argmin(1)
-        dD, dR = moves(choice)
-        hi = torch.where((dD > 0) & (dR > 0), dD / dR, 0.0).amax().item() * 2
-        for _ in range(60):  # bisect lam in log space; choice keeps the best that fits
-            if hi <= lo * (1 + 1e-6):  # slack left by a coarser lam is what the greedy fills
-                break
-            mid = math.sqrt(lo * hi)
-            c = torch.add(D, R, alpha=mid).argmin(1)
-            if cost(c) <= budget:
-                hi, choice = mid, c
-            else:
-                lo = mid
-
-    # Spend the slack: per unit take the upgrade (lower D, higher R, fits) with the best
-    # distortion saved per byte, and apply the best-ranked prefix that fits; repeat.
-    for _ in range(8):
-        left = budget - cost(choice)
-        dD, dR = moves(choice)
-        ok = (dD > 0) & (dR > 0) & (dR <= left)
-        if not ok.any():
-            break
-        gain, best = torch.where(ok, dD / dR, -math.inf).max(1)
-        units = ok.any(1).nonzero().squeeze(1)
-        units = units[gain[units].argsort(descending=True)]
-        step = dR[units, best[units]]
-        take = units[step.cumsum(0) <= left]
-        new = choice.clone()
-        new[take] = best[take]
-        if cost(new) > budget:  # float rounding of the cumsum vs. the sum; stay feasible
-            break
-        choice = new
+    choice = _solve(D, R, budget)
+    if len(D) <= SWAP_UNITS:
+        choice = _swap(D, R, choice, budget)
     return out(choice if perm is None else at(perm, choice).squeeze(1))
 
 
@@ -131,6 +187,8 @@ def exact(D: Array, R: Array, budget: float) -> Array:
     d, r = D.cpu().numpy(), R.cpu().numpy()
     U, O = d.shape
     allowed = np.isfinite(d).ravel()
+    top = np.abs(d[np.isfinite(d)]).max()
+    d = d * (1e6 / top) if top > 0 else d  # HiGHS tolerances are absolute: work at a sane scale
     A = sparse.vstack([sparse.kron(sparse.eye(U), np.ones((1, O))), r.reshape(1, -1)]).tocsr()
     res = milp(np.where(allowed, d.ravel(), 0.0),
                integrality=np.ones(U * O),

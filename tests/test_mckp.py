@@ -6,12 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-try:
-    from rdkv.solvers import exact, lagrangian
-except ImportError:
-    import sys
-    sys.path.insert(0, "/work/main")
-    from solvers import exact, lagrangian
+from rdkv.solvers import exact, lagrangian
 
 BITS = np.array([0, 2, 4, 8, 16])
 

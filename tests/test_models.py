@@ -6,12 +6,7 @@ import time
 import pytest
 import torch
 
-try:
-    import rdkv.models as models
-except ImportError:  # the package __init__ may not exist yet: load the file by path
-    import importlib.util, pathlib  # noqa: E401
-    _spec = importlib.util.spec_from_file_location("rdkv.models", pathlib.Path(__file__).parents[1] / "rdkv" / "models.py")
-    models = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(models)  # noqa: E702
+import rdkv.models as models
 
 
 @pytest.fixture(scope="module")
