@@ -167,9 +167,9 @@ def rdkv_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, TriZoneLayer):
-        from .reference import trizone_attention
+        from .decode import trizone_decode
 
-        out = trizone_attention(query, key, scaling, sliding_window, softcap, attention_mask)
+        out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask)
         return out.transpose(1, 2), None
     state = getattr(module, "_rdkv_state", None)
     if state is None:
