@@ -42,12 +42,13 @@ class CompressConfig:
             raise RDKVError("sinks and recent must be >= 0")
 
 
-def attach(model: torch.nn.Module, window: int = 64) -> torch.nn.Module:
+def attach(model: torch.nn.Module, window: int = 64, all_queries: bool = False) -> torch.nn.Module:
     """Install rdkv's attention path on ``model`` (in place) and return it.
 
-    Prefill then runs exact attention that also records what the weight estimator needs; decoding on a
-    compressed cache runs the TriZone decode. ``window`` is the number of last prefill queries kept for
-    the observation-window weights.
+    Prefill then runs exact attention and keeps what the weight estimator needs: the last ``window``
+    queries (observation-window weights, the default) and, with ``all_queries=True``, attention sums
+    over every prefill query (the paper's form; prefill then computes attention in chunks itself
+    instead of through SDPA). Decoding on a compressed cache runs the TriZone decode.
     """
     if not isinstance(window, int) or window < 1:
         raise RDKVError(f"window must be a positive int, got {window!r}")
@@ -59,7 +60,7 @@ def attach(model: torch.nn.Module, window: int = 64) -> torch.nn.Module:
         )
     AttentionInterface.register(NAME, rdkv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    state = RDKVState(window=window)
+    state = RDKVState(window=window, all_queries=all_queries)
     for m in mods:
         m._rdkv_state = state
     model._rdkv_state = state

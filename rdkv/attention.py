@@ -33,7 +33,7 @@ class LayerStats:
     key: torch.Tensor  # [B, H, Tk, D] the cache's own tensors (a reference, not a copy)
     value: torch.Tensor
     seen: int  # logical length: tokens this layer's cache has seen
-    sums: AttentionSums  # over every prefill query, keys indexed by absolute position
+    sums: AttentionSums | None  # over every prefill query (only if attached with all_queries=True)
     valid: torch.Tensor  # [B, seen] bool: attended by some query (False = padding)
     window_q: torch.Tensor  # [B, Hq, <=W, D] the last W queries, for the observation-window weights
     scaling: float
@@ -51,6 +51,7 @@ class RDKVState:
     """Per-model state shared by every attention module of an attached model."""
 
     window: int = 64
+    all_queries: bool = False
     layers: dict[int, LayerStats] = field(default_factory=dict)
 
 
@@ -111,8 +112,24 @@ def attend(
     return out, sums
 
 
+def _sdpa(q, k, v, q_pos, k_pos, scaling, window, mask) -> torch.Tensor:
+    """Plain attention output through torch SDPA (no statistics): the fast prefill path."""
+    ok = None
+    if mask is not None:
+        ok = mask
+    elif window is not None or q.shape[2] != k.shape[2]:
+        ok = allowed_keys(q_pos, k_pos, window)
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok, is_causal=ok is None, scale=scaling)
+    if mask is not None:  # rows that may attend to nothing (left padding) come out NaN
+        out = out.nan_to_num(0.0)
+    return out
+
+
 def _record(state: RDKVState, module: torch.nn.Module, query, key, value, mask, scaling, window, softcap):
-    """Prefill/continuation on an ordinary cache: attend, and stream the sums into ``state``."""
+    """Prefill/continuation on an ordinary cache: attend, and stream what the estimator needs into
+    ``state`` (all-query sums only when the model was attached with ``all_queries=True``)."""
     layer = module.layer_idx
     L, Tk = query.shape[2], key.shape[2]
     prev = state.layers.get(layer)
@@ -123,30 +140,33 @@ def _record(state: RDKVState, module: torch.nn.Module, query, key, value, mask, 
     k_pos = torch.arange(seen - Tk, seen, device=dev)
     if mask is not None and mask.dtype != torch.bool:
         raise RDKVError(f"rdkv attention expects a boolean mask, got {mask.dtype}; attach the model with rdkv.attach")
-    out, sums = attend(query, key, value, q_pos, k_pos, scaling, window, softcap, mask)
-    sums = AttentionSums(*(x.detach() for x in (sums.mass, sums.mass2, sums.q2, sums.nq)))
     key, value, query = key.detach(), value.detach(), query.detach()
-    B, H, D = key.shape[0], key.shape[1], key.shape[-1]
-    attended = sums.mass.sum(1) > 0  # [B, Tk]
+    B, H = key.shape[0], key.shape[1]
+    if state.all_queries or softcap is not None:
+        out, sums = attend(query, key, value, q_pos, k_pos, scaling, window, softcap, mask)
+    else:
+        out, sums = _sdpa(query, key, value, q_pos, k_pos, scaling, window, mask), None
+    total = None
+    if state.all_queries:
+        sums = AttentionSums(*(x.detach() for x in (sums.mass, sums.mass2, sums.q2, sums.nq)))
+        if fresh:
+            z = sums.mass.new_zeros(B, H, seen)
+            total = AttentionSums(z, z.clone(), sums.q2, sums.nq)
+        else:
+            old, z = prev.sums, sums.mass.new_zeros(B, H, L)
+            total = AttentionSums(torch.cat([old.mass, z], -1), torch.cat([old.mass2, z], -1), old.q2 + sums.q2, old.nq + sums.nq)
+        total.mass[..., seen - Tk :] += sums.mass
+        total.mass2[..., seen - Tk :] += sums.mass2
+    attended = mask[:, 0].any(1) if mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=dev)
     if fresh:
-        total = AttentionSums(sums.mass.new_zeros(B, H, seen), sums.mass.new_zeros(B, H, seen), sums.q2, sums.nq)
         valid = torch.zeros(B, seen, dtype=torch.bool, device=dev)
         window_q = query[:, :, -state.window :]
     else:
-        old = prev.sums
-        total = AttentionSums(
-            torch.cat([old.mass, old.mass.new_zeros(B, H, L)], -1),
-            torch.cat([old.mass2, old.mass2.new_zeros(B, H, L)], -1),
-            old.q2 + sums.q2,
-            old.nq + sums.nq,
-        )
         valid = torch.cat([prev.valid, prev.valid.new_zeros(B, L)], -1)
         window_q = torch.cat([prev.window_q, query], 2)[:, :, -state.window :]
-    total.mass[..., seen - Tk :] += sums.mass
-    total.mass2[..., seen - Tk :] += sums.mass2
     valid[:, seen - Tk :] |= attended
     state.layers[layer] = LayerStats(key, value, seen, total, valid, window_q, scaling, window, softcap)
-    return out
+    return out.to(query.dtype)
 
 
 def rdkv_attention(

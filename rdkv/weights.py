@@ -18,6 +18,8 @@ def layer_sums(stats: LayerStats, form: str) -> AttentionSums:
     """Sums over the chosen query set, with keys restricted to the tokens the layer's cache holds."""
     if form == "all":
         s = stats.sums
+        if s is None:
+            raise RDKVError("weights='all' needs every prefill query: attach with rdkv.attach(model, all_queries=True)")
         return AttentionSums(s.mass[..., stats.start :], s.mass2[..., stats.start :], s.q2, s.nq)
     if form == "window":
         q = stats.window_q

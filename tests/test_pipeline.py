@@ -7,16 +7,30 @@ import rdkv
 from conftest import SMALL, tiny_gemma3, tiny_llama
 
 
-def test_prefill_through_rdkv_equals_sdpa(llama):
+@pytest.mark.parametrize("all_queries", [False, True])
+def test_prefill_through_rdkv_equals_sdpa(llama, all_queries):
     ids = torch.randint(0, 96, (2, 70))
     want = llama(ids).logits
-    rdkv.attach(llama)
+    rdkv.attach(llama, all_queries=all_queries)
     torch.testing.assert_close(llama(ids, use_cache=True).logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["window", "all"])
+def test_all_query_and_window_weights_both_compress(llama, weights):
+    ids, nxt = torch.randint(0, 96, (1, 100)), torch.randint(0, 96, (1, 2))
+    rdkv.attach(llama, all_queries=weights == "all")
+    llama(ids, use_cache=True)
+    cache = rdkv.compress(llama, 0.3, weights=weights, **SMALL)
+    assert cache.nbytes <= 0.3 * cache.fp16_bytes
+    assert torch.isfinite(llama(nxt, past_key_values=cache).logits).all()
+    if weights == "window":
+        with pytest.raises(rdkv.RDKVError, match="all_queries=True"):
+            rdkv.compress(llama, 0.3, weights="all", **SMALL)
 
 
 def test_chunked_prefill_gives_the_same_statistics(llama):
     ids = torch.randint(0, 96, (1, 90))
-    rdkv.attach(llama)
+    rdkv.attach(llama, all_queries=True)
     llama(ids, use_cache=True)
     one = {i: s.sums.mass.clone() for i, s in llama._rdkv_state.layers.items()}
     cache = DynamicCache(config=llama.config)
