@@ -137,9 +137,10 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     except ValueError:
         version = None
     if version != VERSION:
-        hint = "upgrade rdkv to read it" if version is not None and version > VERSION else "an unknown version"
-        raise RDKVError(f"{path!r} has rdkv cache format version {meta.get('format_version')!r}; this rdkv reads "
-                        f"version {VERSION}: {hint}, or compress the prefix again")
+        newer = version is not None and version > VERSION
+        hint = "it was written by a newer rdkv: upgrade rdkv to read it" if newer else "that version is unknown"
+        raise RDKVError(f"{path!r} has rdkv cache format version {meta.get('format_version')!r} and this rdkv reads "
+                        f"version {VERSION}; {hint}, or compress the prefix again")
     try:
         top, layers = json.loads(meta["cache"]), json.loads(meta["layers"])
         want = {f"layers.{i}.{n}" for i, lay in enumerate(layers) for n in lay["tensors"]}
