@@ -10,7 +10,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import quant
 from .attention import RDKVState, rdkv_attention
-from .distortion import MODELS, LayerTables, layer_tables
+from .distortion import MODELS, LayerTables, fixed_bytes, layer_tables
+from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
 from .errors import RDKVError
 from .trizone import PackSpec, TriZoneCache, TriZoneLayer, pack_layer
 from .weights import FORMS, layer_sums
@@ -27,6 +28,7 @@ class CompressConfig:
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
+    evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
     spec: PackSpec = field(default_factory=PackSpec)
@@ -123,57 +125,89 @@ def _dtype16(model: torch.nn.Module) -> torch.dtype:
     return torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float16
 
 
+def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Layer ``i``'s cached k, v (float32) and the first position a future query can still see."""
+    start = st.start if st.sliding_window is None else max(st.start, st.seen - st.sliding_window + 1)
+    k = st.key[..., start - st.start :, :].float()
+    v = st.value[..., start - st.start :, :].float()
+    if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+        raise RDKVError(f"layer {i}: the cache holds NaN or Inf; the prefill itself is broken (check dtype/overflow)")
+    if max(k.abs().max(), v.abs().max()) > quant.FP16_MAX:
+        raise RDKVError(f"layer {i}: cache values exceed the fp16 range, which the packed format cannot store")
+    return k, v, start
+
+
+def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig) -> LayerTables:
+    sums = layer_sums(st, cfg.weights)
+    cut = start - (st.seen - sums.mass.shape[-1])
+    sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
+    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, cfg.floor)
+    pos = torch.arange(start, st.seen, device=k.device)
+    first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
+    protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
+    t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
+    return t
+
+
 @torch.no_grad()
-def compress(model: torch.nn.Module, budget: float, *, config: CompressConfig | None = None, **overrides) -> TriZoneCache:
+def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = "rdkv",
+             config: CompressConfig | None = None, **overrides) -> TriZoneCache:
     """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
-    ``budget`` x its fp16 bytes. The uncompressed cache and the model are left untouched, so one prefill
-    can be compressed at several budgets; on any error nothing changes.
+    ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
+
+    ``method`` is ``"rdkv"``, one of its variants or a baseline (:data:`rdkv.methods.METHODS`); all go
+    through the same packer. Fixed-rate baselines (int8, kivi2, ...) need no budget; given one, they
+    raise if they do not fit. The uncompressed cache and the model are left untouched, so one prefill
+    can be compressed many times; on any error nothing changes.
     """
+    if method not in METHODS:
+        raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method in RDKV_VARIANTS:
+        overrides = {**RDKV_VARIANTS[method], **overrides}
+    else:
+        overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
     cfg = _config(config, overrides)
-    budget = _check_budget(budget)
+    if budget is not None or method not in FIXED_RATE:
+        budget = _check_budget(budget)
     state = _state(model)
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):
         raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")
-    tables: list[LayerTables] = []
-    sources = []
+    held = []
     for i in range(n_layers):
         st = state.layers[i]
-        B, H, _, D = st.key.shape
-        cfg.spec.check(D)
-        start = st.start if st.sliding_window is None else max(st.start, st.seen - st.sliding_window + 1)
-        k = st.key[..., start - st.start :, :].float()
-        v = st.value[..., start - st.start :, :].float()
-        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
-            raise RDKVError(f"layer {i}: the cache holds NaN or Inf; the prefill itself is broken (check dtype/overflow)")
-        if max(k.abs().max(), v.abs().max()) > quant.FP16_MAX:
-            raise RDKVError(f"layer {i}: cache values exceed the fp16 range, which the packed format cannot store")
-        present = st.valid[:, None, start:].expand(B, H, -1)
-        sums = layer_sums(st, cfg.weights)
-        cut = start - (st.seen - sums.mass.shape[-1])
-        sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
-        t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, cfg.floor)
-        pos = torch.arange(start, st.seen, device=k.device)
-        first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
-        protect = (first & present) | (pos >= st.seen - cfg.recent)
-        t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
-        tables.append(t)
-        sources.append((k, v, start, st))
+        cfg.spec.check(st.key.shape[-1])
+        k, v, start = _held(st, i)
+        held.append((st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3])))
+    spec = cfg.spec
     # fp16 bytes of what the cache holds, per sequence: K and V rows of 2 * head_dim bytes each
-    fp16 = [sum(int(t.present[b].sum()) * 4 * t.perm.shape[-1] for t in tables) for b in range(len(tables[0].present))]
+    fp16 = [sum(int(p[b].sum()) * 4 * k.shape[-1] for _, k, _, _, p in held) for b in range(held[0][1].shape[0])]
+    fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
+    budgets = [budget * f if budget is not None else float("inf") for f in fp16]
     try:
-        v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope)
+        if method in RDKV_VARIANTS:
+            tables = [_rdkv_tables(st, k, v, start, p, cfg) for st, k, v, start, p in held]
+            v_opt, k_opt = allocate(tables, budgets, cfg.scope)
+            perms = [t.perm for t in tables]
+        else:
+            inputs = [LayerInput(k, p, layer_sums(st, "window").mass[..., start - st.seen :], start, st.seen)
+                      for st, k, v, start, p in held]
+            v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)
+            perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]
     except ValueError as e:
         raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
-    widths = torch.tensor(quant.WIDTHS, device=tables[0].dv.device)
+    widths = torch.tensor(quant.WIDTHS, device=held[0][1].device)
     layers = []
-    for (k, v, start, st), t, vo, ko in zip(sources, tables, v_opt, k_opt):
+    for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms):
         kbits = widths[ko]  # [B, H, nb]
         order = kbits.argsort(dim=-1, stable=True)  # blocks of one width contiguous
-        perm = t.perm.unflatten(-1, (-1, cfg.spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, cfg.spec.k_block))
-        layers.append(pack_layer(k, v, start, widths[vo], kbits.gather(-1, order), perm.flatten(-2), cfg.spec,
+        perm = perm.unflatten(-1, (-1, spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, spec.k_block))
+        layers.append(pack_layer(k, v, start, widths[vo], kbits.gather(-1, order), perm.flatten(-2), spec,
                                  _dtype16(model), st.sliding_window, st.seen))
     cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget)
-    if cache.nbytes > budget * cache.fp16_bytes + 1e-6:
+    if budget is not None and cache.nbytes > budget * cache.fp16_bytes:
+        if method in FIXED_RATE:
+            raise RDKVError(f"{method} needs {cache.nbytes / cache.fp16_bytes:.4f} of the fp16 bytes, more than the "
+                            f"budget {budget}; raise the budget or pass budget=None")
         raise AssertionError(f"rdkv bug: packed {cache.nbytes} B exceeds budget {budget * cache.fp16_bytes:.0f} B")
     return cache

@@ -126,3 +126,35 @@ def test_two_compressions_of_one_prefill_are_independent(llama):
     a = continuation(llama, c1, nxt)
     continuation(llama, c1, nxt)  # c1 grows, c2 must not
     assert torch.equal(a, continuation(llama, c2, nxt))
+
+
+@pytest.mark.parametrize("method", rdkv.methods.METHODS)
+def test_every_method_packs_within_its_bytes_and_decodes(method):
+    model = tiny_llama(2)
+    rdkv.attach(model, all_queries=True)
+    ids, nxt = torch.randint(0, 96, (2, 150)), torch.randint(0, 96, (2, 3))
+    model(ids, use_cache=True)
+    fixed = method in rdkv.methods.FIXED_RATE
+    cache = rdkv.compress(model, None if fixed else 0.2, method=method, v_group=32, k_block=16)
+    ratio = cache.nbytes / cache.fp16_bytes
+    widths = cache.layers[0].v_widths()
+    if fixed:
+        want = {"int8": 8, "int4": 4, "kivi4": 4, "kivi2": 2}[method]
+        assert (widths[..., :-128] == want).all() and set(cache.layers[0].k_widths().unique().tolist()) == {want}
+    else:
+        assert 0.15 < ratio <= 0.2
+    if method in ("streaming", "snapkv", "adakv", "knorm"):
+        assert set(widths.unique().tolist()) <= {0, 16}
+    if method == "adakv":  # head-adaptive: kept counts may differ per head
+        kept = (widths > 0).sum(-1)
+        assert kept.sum() > 0
+    assert torch.isfinite(model(nxt, past_key_values=cache).logits).all()
+
+
+def test_fixed_rate_method_over_budget_raises(llama):
+    rdkv.attach(llama)
+    llama(torch.randint(0, 96, (1, 60)), use_cache=True)
+    with pytest.raises(rdkv.RDKVError, match="int8 needs"):
+        rdkv.compress(llama, 0.3, method="int8", **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="unknown method"):
+        rdkv.compress(llama, 0.3, method="h2o")

@@ -1,0 +1,121 @@
+"""Every method is an allocation: widths per V token and per K block, fed to the same packer.
+
+So bytes are counted one way (what the TriZone tensors hold) and decode is shared. RDKV variants
+are presets of :class:`~rdkv.api.CompressConfig`; baselines are small functions that pick widths:
+
+* quantization: ``int8``/``int4`` (every token and channel at one width), ``kivi2``/``kivi4``
+  (KIVI-style: K per channel and V per token in groups of 32, the last 128 tokens' V in fp16; the
+  TriZone format has no per-token K precision, so those tokens' keys stay quantized -- a deviation
+  from KIVI that can only hurt the baseline, recorded here and in the results);
+* eviction (kept tokens in fp16, the rest dropped, ragged per head so savings are real):
+  ``streaming`` (4 sinks + recent window), ``snapkv`` (last-64-query attention, pooled, same count per
+  head, the observation window always kept), ``adakv`` (SnapKV scores, one top-k over all heads of a
+  layer, each head keeping at least a fifth of the uniform share), ``knorm`` (lowest key norm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import quant
+
+RDKV_VARIANTS: dict[str, dict] = {
+    "rdkv": {},
+    "rdkv-all": {"weights": "all"},  # needs rdkv.attach(model, all_queries=True)
+    "rdkv-layer": {"scope": "layer"},
+    "rdkv-nofloor": {"floor": 0.0},
+    "rdkv-noprotect": {"sinks": 0, "recent": 0},
+    "rdkv-noevict": {"evict": False},
+    "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "sinks": 0, "recent": 0},
+}
+OPT = {w: i for i, w in enumerate(quant.WIDTHS)}
+
+
+@dataclass
+class LayerInput:
+    """What a method may look at for one layer (positions start..end-1 of the held cache)."""
+
+    k: torch.Tensor  # [B, H, T, D] float32
+    present: torch.Tensor  # [B, H, T] bool
+    window_mass: torch.Tensor  # [B, H, T] attention from the last W prefill queries
+    start: int
+    end: int
+
+
+Allocation = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def _uniform(v_width: int, k_width: int, recent: int = 0) -> Callable:
+    def allocate(layers: list[LayerInput], budgets: list[float], fixed: list[int], kb: int) -> Allocation:
+        v, k = [], []
+        for L in layers:
+            pos = torch.arange(L.start, L.end, device=L.k.device)
+            w = torch.where(pos >= L.end - recent, OPT[16], OPT[v_width]).expand_as(L.present)
+            v.append(torch.where(L.present, w, OPT[0]))
+            k.append(torch.full((*L.present.shape[:2], L.k.shape[-1] // kb), OPT[k_width], device=L.k.device))
+        return v, k
+    return allocate
+
+
+def _keep_count(layers: list[LayerInput], budgets: list[float], fixed: list[int], kb: int) -> list[int]:
+    """Tokens each (layer, head) of sequence b may keep in fp16 (V row + position + K row)."""
+    D = layers[0].k.shape[-1]
+    per_token = 2 * D + 2 * D + (2 if layers[0].end <= 32767 else 4)
+    heads = sum(L.present.shape[1] for L in layers)
+    return [max(0, int((budget - f) // (per_token * heads))) for budget, f in zip(budgets, fixed)]
+
+
+def _evict(score_fn: Callable, adaptive: bool = False, window: int = 0) -> Callable:
+    def allocate(layers: list[LayerInput], budgets: list[float], fixed: list[int], kb: int) -> Allocation:
+        counts = _keep_count(layers, budgets, fixed, kb)
+        v, k = [], []
+        for L in layers:
+            B, H, T = L.present.shape
+            score = score_fn(L).masked_fill(~L.present, float("-inf"))
+            if window:  # the observation window is always kept
+                score[..., max(0, T - window) :] = float("inf")
+            keep = torch.zeros(B, H, T, dtype=torch.bool, device=score.device)
+            for b in range(B):
+                c = min(counts[b], T)
+                if adaptive:  # one top-k over the layer's heads, each head guaranteed a fifth of its share
+                    floor = c // 5
+                    keep[b].scatter_(-1, score[b].topk(floor, -1).indices, True)
+                    rest = score[b].masked_fill(keep[b], float("-inf")).flatten()
+                    n = min(c * H - floor * H, int((rest > float("-inf")).sum()))
+                    keep[b].view(-1)[rest.topk(n).indices] = True
+                else:
+                    keep[b].scatter_(-1, score[b].topk(c, -1).indices, True)
+            keep &= L.present
+            v.append(torch.where(keep, OPT[16], OPT[0]))
+            k.append(torch.full((B, H, L.k.shape[-1] // kb), OPT[16], device=score.device))
+        return v, k
+    return allocate
+
+
+def _snap(L: LayerInput) -> torch.Tensor:
+    return F.avg_pool1d(L.window_mass.flatten(0, 1).unsqueeze(1), 7, 1, 3, count_include_pad=False).view_as(L.window_mass)
+
+
+def _recent(L: LayerInput) -> torch.Tensor:
+    pos = torch.arange(L.start, L.end, device=L.k.device, dtype=torch.float32)
+    rel = pos - (L.present.cumsum(-1) == 0).sum(-1, keepdim=True)  # sinks count from the first real token
+    return torch.where(rel < 4, float(L.end), pos).expand_as(L.present).clone()
+
+
+BASELINES: dict[str, Callable] = {
+    "int8": _uniform(8, 8),
+    "int4": _uniform(4, 4),
+    "kivi4": _uniform(4, 4, recent=128),
+    "kivi2": _uniform(2, 2, recent=128),
+    "streaming": _evict(_recent),
+    "snapkv": _evict(_snap, window=64),
+    "adakv": _evict(_snap, adaptive=True, window=64),
+    "knorm": _evict(lambda L: -L.k.norm(dim=-1)),
+}
+# group sizes the quantization baselines are defined with (KIVI: 32 tokens / 32 channels)
+BASELINE_SPECS: dict[str, dict] = {"kivi2": {"v_group": 32, "k_group": 32}, "kivi4": {"v_group": 32, "k_group": 32}}
+FIXED_RATE = {"int8", "int4", "kivi4", "kivi2"}
+METHODS = tuple(RDKV_VARIANTS) + tuple(BASELINES)
