@@ -1,0 +1,111 @@
+"""Shared pieces of the experiment scripts: one prefill, many compressions, teacher-forced scores."""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import rdkv
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+DEFAULT_METHODS = ["rdkv", "rdkv-noevict", "rdkv-layer", "rdkv-paper", "snapkv", "adakv", "streaming", "knorm",
+                   "kivi2", "kivi4", "int4", "int8"]
+
+
+def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=rdkv.methods.METHODS, metavar="METHOD")
+    ap.add_argument("--budgets", type=float, nargs="+", default=budgets)
+    ap.add_argument("--contexts", type=int, nargs="+", default=contexts)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="a few-minute run on 2 cores")
+    ap.add_argument("--tag", default=None, help="suffix of the result files (default: quick or full)")
+    return ap
+
+
+def header(args) -> str:
+    return (f"Command: `python {' '.join(os.sys.argv)}`  \n"
+            f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
+            f"transformers {__import__('transformers').__version__}; date {time.strftime('%Y-%m-%d')}\n")
+
+
+def settings(method: str, budgets: list[float]) -> list[float | None]:
+    """Fixed-rate baselines run once at their own size; the rest at every budget."""
+    return [None] if method in rdkv.methods.FIXED_RATE else budgets
+
+
+def compressions(model, methods: list[str], budgets: list[float]):
+    """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped."""
+    for m in methods:
+        for b in settings(m, budgets):
+            try:
+                yield m, b, rdkv.compress(model, b, method=m)
+            except rdkv.RDKVError as e:
+                print(f"  skip {m} @ {b}: {e}")
+
+
+def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
+    """Logits [L, V] of teacher-forcing ``tail`` [1, L] through ``cache`` (float32)."""
+    return model(tail, past_key_values=cache).logits[0].float()
+
+
+def full_reference(model, prefill_cache, tail: torch.Tensor) -> torch.Tensor:
+    """The uncompressed cache's logits (run last: an ordinary cache extends rdkv's statistics)."""
+    return forward(model, copy.deepcopy(prefill_cache), tail)
+
+
+def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean KL(ref || got) of next-token distributions over positions."""
+    p, q = ref.log_softmax(-1), got.log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def answer_scores(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[float, bool]:
+    """(NLL of the answer tokens, exact match of their argmax) for the last ``n_ans`` tail tokens."""
+    pred = logits[-n_ans - 1 : -1]
+    target = tail[0, -n_ans:]
+    nll = float(-pred.log_softmax(-1).gather(1, target[:, None]).sum())
+    return nll, bool(torch.equal(pred.argmax(-1), target))
+
+
+def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> None:
+    """Quality vs bytes, one line per method, one panel per metric (and per protocol if present)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({r.get("protocol", "") for r in rows})
+    fig, axes = plt.subplots(len(groups), len(ys), figsize=(5 * len(ys), 3.6 * len(groups)), squeeze=False)
+    for gi, g in enumerate(groups):
+        for yi, y in enumerate(ys):
+            ax = axes[gi][yi]
+            for m in dict.fromkeys(r["method"] for r in rows):
+                pts = sorted((r[x], r[y]) for r in rows if r["method"] == m and r.get("protocol", "") == g)
+                style = "o-" if m.startswith("rdkv") else "s--"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=m, lw=2 if m == "rdkv" else 1)
+            ax.set_xscale("log")
+            ax.set_xlabel("bytes held / fp16 bytes")
+            ax.set_ylabel(y)
+            ax.set_title(f"{title} {g}".strip())
+            if y in ("KL", "NLL", "ppl increase %"):
+                ax.set_yscale("symlog", linthresh=1e-2)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)

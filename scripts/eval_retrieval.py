@@ -1,0 +1,75 @@
+"""Key-value retrieval ("needle") at equal bytes: every method on one prefill per context and depth.
+
+    python scripts/eval_retrieval.py --quick
+    python scripts/eval_retrieval.py --contexts 1000 2000 4000 --budgets 0.025 0.05 0.1 0.25 0.5
+
+Protocols: ``agnostic`` (the question comes after compression: compress a document once, ask later)
+and ``aware`` (the question ends the compressed prompt; only its last token and the answer are fed
+through the compressed cache). Scores per method and budget: exact match of every answer token
+(teacher-forced argmax), answer NLL, and the mean KL of next-token distributions from the full cache
+over the tokens fed after compression. Bytes are what the compressed cache holds / its fp16 size.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+import rdkv
+from common import RESULTS, answer_scores, compressions, forward, full_reference, header, kl, parser, plot, table
+
+
+def main() -> None:
+    ap = parser(__doc__, [0.025, 0.05, 0.1, 0.25, 0.5], [1000, 2000, 4000])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
+    tag = args.tag or ("quick" if args.quick else "full")
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    rdkv.attach(model, all_queries=any(m in ("rdkv-all", "rdkv-paper") for m in args.methods))
+    enc = lambda s: tok(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+
+    raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
+    jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
+    for n, depth, protocol in tqdm(jobs, desc="prefills"):
+        probe = rdkv.models.retrieval_prompt(n, depth, tok, seed=args.seed)
+        ctx = tok(probe["context"], return_tensors="pt").input_ids
+        q, ans = enc(probe["question"]), enc(probe["answer"])
+        if protocol == "agnostic":
+            prefix, tail = ctx, torch.cat([q, ans], 1)
+        else:
+            prefix, tail = torch.cat([ctx, q[:, :-1]], 1), torch.cat([q[:, -1:], ans], 1)
+        full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets)]
+        ref = full_reference(model, full_cache, tail)
+        runs.append(("full", 1.0, 1.0, ref))
+        for m, b, ratio, logits in runs:
+            nll, em = answer_scores(logits, tail, ans.shape[1])
+            raw[protocol, m, b].append(dict(ratio=ratio, nll=nll, em=em, kl=kl(ref, logits), depth=depth, n=n))
+
+    rows = []
+    for (protocol, m, b), rs in raw.items():
+        rows.append({"protocol": protocol, "method": m, "budget": "-" if b is None else b,
+                     "bytes/fp16": sum(r["ratio"] for r in rs) / len(rs),
+                     "EM": sum(r["em"] for r in rs) / len(rs), "NLL": sum(r["nll"] for r in rs) / len(rs),
+                     "KL": sum(r["kl"] for r in rs) / len(rs),
+                     "EM by depth": " ".join(str(sum(r["em"] for r in rs if r["depth"] == d)) for d in args.depths),
+                     "probes": len(rs)})
+    rows.sort(key=lambda r: (r["protocol"], r["method"] != "full", r["method"], r["bytes/fp16"]))
+    cols = ["protocol", "method", "budget", "bytes/fp16", "EM", "NLL", "KL", "EM by depth", "probes"]
+    name = f"retrieval_{args.model}_{tag}"
+    md = (f"# Retrieval at equal bytes: {args.model} ({tag})\n\n{header(args)}\n"
+          f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
+          f"contexts), seed {args.seed}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
+    print(md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(md)
+    plot([r for r in rows if r["method"] != "full"], "bytes/fp16", ["EM", "KL"], RESULTS / f"{name}.png", args.model)
+
+
+if __name__ == "__main__":
+    main()
