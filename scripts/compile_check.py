@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Compile every variant of the TriZone decode kernel for sm_90 and sm_80 without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline down to
+a cubin with the ptxas that ships in the triton wheel (triton/backends/nvidia/bin/ptxas; no CUDA driver
+or GPU needed). The script then reads register count, spill bytes and local stack from that cubin
+(``ptxas -v`` on the generated PTX, ``cuobjdump --dump-resource-usage`` as a fallback) and the shared
+memory from the kernel metadata, prints a table and exits non-zero if any variant spills registers or
+needs more shared memory than the device has (228 KB per SM on sm_90, 164 KB on sm_80).
+
+    python scripts/compile_check.py            # every variant, both archs
+    python scripts/compile_check.py --quick    # one variant per head_dim on sm_90 (the CI test)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real even if a test session set the interpreter
+
+SMEM_LIMIT = {90: 228 * 1024, 80: 164 * 1024}
+PTR_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
+
+
+def variants(quick: bool) -> list[dict]:
+    """(head_dim, query dtype, query rows per program, flags) variants the launcher can produce."""
+    out = []
+    if quick:
+        for D in (64, 128, 256):
+            out.append(dict(D=D, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16))
+        return out
+    for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32"), ((4, 1), (24, 3), (64, 8))):
+        out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16))
+    for D in (64, 128, 256):  # window + mask + softcap together (the heaviest masking path), and k_block 32
+        out.append(dict(D=D, dtype="fp16", GL=8, L=1, flags=(True, True, True), kb=16))
+        out.append(dict(D=D, dtype="bf16", GL=8, L=1, flags=(False, False, False), kb=32))
+    return out
+
+
+def signature(fn, dtype: str, dt16: str) -> dict[str, str]:
+    u8 = {"k2c", "k4c", "k8c", "v2c", "v4c", "v8c", "perm_ptr", "mask_ptr"}
+    i64 = {"tok0_ptr", "vbase_ptr", "krow_ptr", "kgrp_ptr"}
+    i32p = {"vcls_ptr", "kord_ptr", "kcls_ptr", "wi_s_ptr", "wi_lo_ptr"}
+    f16 = {"k0m", "k2s", "k2z", "k4s", "k4z", "k8s", "k8z", "v2s", "v2z", "v4s", "v4z", "v8s", "v8z"}
+    sig = {}
+    for n in fn.arg_names:
+        if n in u8:
+            sig[n] = "*u8"
+        elif n in i64:
+            sig[n] = "*i64"
+        elif n in i32p:
+            sig[n] = "*i32"
+        elif n == "pos_ptr":
+            sig[n] = "*i32"
+        elif n in f16:
+            sig[n] = "*fp16"
+        elif n in ("k16", "v16", "kc_ptr", "vc_ptr"):
+            sig[n] = PTR_DTYPES[dt16]
+        elif n == "q_ptr":
+            sig[n] = PTR_DTYPES[dtype]
+        elif n in ("out_ptr", "lse_ptr"):
+            sig[n] = "*fp32"
+        elif n in ("scale2", "softcap"):
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+    return sig
+
+
+def resource_usage(kernel, arch: int) -> dict:
+    """Registers, spill bytes and stack of a compiled kernel, from the bundled ptxas."""
+    from triton.backends.nvidia import compiler as nv
+
+    ptxas = nv.get_ptxas(arch).path if hasattr(nv, "get_ptxas") else "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        r = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", ptx, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    log = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    if not regs:
+        raise RuntimeError(f"could not read ptxas -v output:\n{log}")
+    return dict(regs=int(regs.group(1)), spill_st=int(spill.group(1)) if spill else 0,
+                spill_ld=int(spill.group(2)) if spill else 0, stack=int(stack.group(1)) if stack else 0)
+
+
+def compile_one(v: dict, arch: int) -> dict:
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rdkv.kernels import trizone_decode as m
+
+    D, GL, L = v["D"], v["GL"], v["L"]
+    window, mask, softcap = v["flags"]
+    block_m = min(64, max(16, m._pow2(GL)))
+    cfg = m.launch_config(D, block_m)
+    dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
+    consts = dict(H=8, G=GL // L, L=L, D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], K_GROUP=32, V_GROUP=32,
+                  SPLIT=8 * cfg.block_n, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
+                  PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap)
+    dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
+    fn = m._trizone_attn
+    sig = signature(fn, v["dtype"], dt16)
+    for k in consts:
+        sig[k] = "constexpr"
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
+    t0 = time.time()
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps,
+                                                                             num_stages=cfg.num_stages))
+    secs = time.time() - t0
+    ru = resource_usage(k, arch)
+    return dict(v, arch=arch, block_m=block_m, block_n=cfg.block_n, warps=cfg.num_warps, smem=k.metadata.shared,
+                secs=secs, **ru)
+
+
+def _job(args):
+    v, arch = args
+    try:
+        return compile_one(v, arch)
+    except Exception as e:  # report every failure in the table, then fail
+        return dict(v, arch=arch, error=f"{type(e).__name__}: {e}".splitlines()[0][:200])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one fp16 variant per head_dim, sm_90 only")
+    ap.add_argument("--arch", type=int, action="append", help="80 and/or 90 (default both; --quick: 90)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args(argv)
+    archs = a.arch or ([90] if a.quick else [90, 80])
+    jobs = [(v, arch) for arch in archs for v in variants(a.quick)]
+    if a.jobs > 1:
+        with ProcessPoolExecutor(a.jobs) as ex:
+            rows = list(ex.map(_job, jobs))
+    else:
+        rows = [_job(j) for j in jobs]
+    bad = 0
+    head = f"{'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
+           f"{'regs':>4} {'spill':>7} {'stack':>5} {'smem KB':>7} {'secs':>5}  status"
+    print(head)
+    for r in rows:
+        flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
+        lead = f"sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
+        if "error" in r:
+            bad += 1
+            print(f"{lead}  FAIL {r['error']}")
+            continue
+        problems = []
+        if r["spill_st"] or r["spill_ld"]:
+            problems.append("spills")
+        if r["smem"] > SMEM_LIMIT[r["arch"]]:
+            problems.append(f"smem > {SMEM_LIMIT[r['arch']] // 1024} KB")
+        bad += bool(problems)
+        print(f"{lead} {r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5} {r['regs']:>4} "
+              f"{r['spill_st']:>3}/{r['spill_ld']:<3} {r['stack']:>5} {r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  "
+              f"{'; '.join(problems) or 'ok'}")
+    print(f"{len(rows)} variants, {bad} failing")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The fused Triton TriZone decode kernel, run on CPU under TRITON_INTERPRET=1, against the torch reference.
+
+Tolerances (``tol``):
+* fp32 queries: the kernel dots in fp32 ("ieee") and reads exactly the stored fp16 codes/scales/rows the
+  reference reads; only summation order differs, so errors are ~1e-6 relative. atol 2e-5 / rtol 1e-4.
+* fp16 queries: the kernel rounds three things to fp16 that the reference keeps in fp32 — dequantized K
+  (relative 2^-11 ~ 4.9e-4 per element), the probabilities p and dequantized V fed to the second dot
+  (4.9e-4 each). A score q.k * scaling with N(0, 1)-like entries sums D products of size ~1/sqrt(D) with
+  independent rounding errors, so its error is ~4.9e-4 * sqrt(D) / sqrt(D) ~ 5e-4 (the worst case, all
+  errors aligned, is ~4.9e-4 * 0.64 * sqrt(D) ~ 5e-3 at D = 256); exp turns that into ~0.05% relative
+  error on p, and p/V rounding add ~5e-4 relative each, so the output moves by ~1e-3 * |v| ~ 2e-3 for
+  |v| <= ~4. Both outputs are then rounded to fp16: one ulp at |out| in [2, 4) is 2e-3. Observed max
+  error over the grid: 2e-3 (one output ulp). atol 5e-3 / rtol 5e-3 leaves ~2x margin on the typical
+  case while staying 5x below the all-errors-aligned bound, which a layout bug would exceed by far.
+* bf16 is not run here: the interpreter computes bf16 wrongly, so bf16-cache cases feed fp32 queries
+  (the kernel's dots then run in fp32 over the bf16 rows, which is what "upcast bf16" means here).
+"""
+import importlib
+import math
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+
+import pytest
+import torch
+
+import rdkv
+from rdkv import RDKVError, quant
+from rdkv.reference import trizone_attention
+from rdkv.trizone import PackSpec, pack_layer
+
+if "rdkv.kernels.trizone_decode" in sys.modules:  # imported earlier without the interpreter: redecorate
+    importlib.reload(sys.modules["rdkv.kernels.trizone_decode"])
+from rdkv.kernels import trizone_decode as kmod  # noqa: E402
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), spec=None,
+          dtype16=torch.float16, start=0, sort_k=True, window=None, empty_streams=0):
+    """A packed layer from random K/V with a different random allocation per stream.
+
+    Each stream draws its own mixture over the allowed V widths ``vmix`` (so class sizes differ a lot
+    between streams, including empty classes), its own K block widths from ``kmix``, and its own
+    channel permutation. ``empty_streams`` streams evict everything.
+    """
+    spec = spec or PackSpec(v_group=32, k_group=32, k_block=16)
+    g = torch.Generator().manual_seed(seed)
+    S = B * H
+    k = torch.randn(B, H, T, D, generator=g) * 1.5
+    k[..., 5] += 12.0  # an outlier channel, as real keys have
+    v = torch.randn(B, H, T, D, generator=g)
+    allowed = torch.tensor(vmix)
+    mixes = torch.rand(S, len(vmix), generator=g) ** 3  # skewed: some classes nearly empty
+    mixes = mixes / mixes.sum(1, keepdim=True)
+    draw = torch.multinomial(mixes, T, replacement=True, generator=g) if T else torch.zeros(S, 0, dtype=torch.long)
+    vw = allowed[draw].view(B, H, T)
+    if empty_streams:
+        vw.view(S, T)[:empty_streams] = 0
+    kall = torch.tensor(kmix)
+    kb = kall[torch.randint(0, len(kmix), (B, H, D // spec.k_block), generator=g)]
+    if sort_k:
+        kb = kb.sort(-1).values
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)]).view(B, H, D)
+    layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T)
+    if n_c:
+        layer.update(torch.randn(B, H, n_c, D, generator=g), torch.randn(B, H, n_c, D, generator=g))
+    return layer
+
+
+def query(layer, G, L, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layer.batch, layer.heads * G, L, layer.head_dim, generator=g).to(dtype)
+
+
+def check(layer, q, window=None, softcap=None, mask=None):
+    scaling = layer.head_dim ** -0.5
+    want = trizone_attention(q, layer, scaling, window, softcap, mask)
+    got = kmod.trizone_decode(q, layer, scaling, window, softcap, mask)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[q.dtype])
+    return got, want
+
+
+# A sampled grid (the full product would take far longer than the 3-minute budget under the interpreter):
+# every head_dim meets every group size at least once, both dtypes, L = 1 and 3, zone A from 0 to
+# 1024 tokens, zone C from 0 to 130, batch 1..3 with per-stream allocations.
+#        B  H  T     D    n_c  G  L  dtype          vmix                 kmix
+GRID = [
+    (1, 1, 1024, 64, 1, 1, 1, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (2, 2, 700, 128, 9, 4, 1, torch.float16, (0, 2, 4, 8, 16), (2, 4, 8, 16)),
+    (1, 2, 400, 256, 3, 8, 1, torch.float16, (0, 2, 8), (0, 4, 16)),
+    (3, 1, 500, 64, 130, 3, 3, torch.float32, (0, 4, 16), (2, 8)),
+    (2, 2, 0, 64, 4, 4, 3, torch.float32, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),  # zone A empty
+    (2, 1, 350, 128, 0, 1, 1, torch.float32, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),  # zone C empty
+    (1, 2, 260, 256, 2, 3, 3, torch.float32, (0, 16), (0, 16)),  # zone B only, K 0/16
+    (2, 2, 300, 64, 6, 8, 3, torch.float16, (0, 2), (2,)),  # everything at 2 bits
+    (1, 1, 200, 128, 1, 4, 1, torch.float32, (0, 8), (4,)),
+    (2, 1, 120, 64, 3, 3, 1, torch.float16, (0,), (0, 2, 4, 8, 16)),  # everything evicted: zone C only
+    (1, 3, 180, 64, 1, 1, 1, torch.float32, (0, 2, 4, 8, 16), (0,)),  # K all means: constant zone-A scores
+    (1, 1, 1024, 256, 17, 4, 1, torch.float16, (2, 4, 8, 16), (0, 2, 4, 8, 16)),  # nothing evicted
+    (2, 1, 800, 128, 33, 8, 3, torch.float32, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (1, 2, 64, 256, 130, 1, 3, torch.float16, (0, 4), (8, 16)),
+    (2, 2, 1, 128, 1, 3, 1, torch.float16, (2,), (16,)),  # one kept token per stream
+]
+
+
+@pytest.mark.parametrize("B,H,T,D,n_c,G,L,dtype,vmix,kmix", GRID,
+                         ids=[f"B{c[0]}H{c[1]}T{c[2]}D{c[3]}C{c[4]}G{c[5]}L{c[6]}-{str(c[7])[6:]}-v{''.join(map(str, c[8]))}"
+                              f"-k{''.join(map(str, c[9]))}" for c in GRID])
+def test_kernel_matches_reference(B, H, T, D, n_c, G, L, dtype, vmix, kmix):
+    layer = build(seed=T + D + n_c, B=B, H=H, T=T, D=D, n_c=n_c, vmix=vmix, kmix=kmix)
+    check(layer, query(layer, G, L, dtype))
+
+
+def test_every_mix_of_width_classes():
+    """All 15 non-empty subsets of V classes x a rotation of K mixes, sorted and unsorted K blocks."""
+    kmixes = [(0, 2, 4, 8, 16), (2,), (16,), (0, 8), (4, 16), (2, 4, 8)]
+    subsets = [tuple(w for i, w in enumerate((2, 4, 8, 16)) if m >> i & 1) for m in range(1, 16)]
+    for n, sub in enumerate(subsets):
+        layer = build(seed=n, B=2, H=1, T=90, D=64, n_c=2, vmix=(0,) + sub, kmix=kmixes[n % len(kmixes)],
+                      sort_k=bool(n % 2))
+        check(layer, query(layer, 2, 1, torch.float32, seed=n))
+
+
+@pytest.mark.parametrize("split", [64, 128])
+def test_many_splits_and_ragged_streams(monkeypatch, split):
+    """Small splits: many work items per stream, chunks that cross class boundaries, empty streams."""
+    monkeypatch.setenv("RDKV_KERNEL_SPLIT", str(split))
+    layer = build(seed=7, B=3, H=2, T=600, D=64, n_c=70, empty_streams=2)
+    check(layer, query(layer, 4, 3, torch.float16))
+
+
+def test_sliding_window_and_start_offset():
+    layer = build(seed=3, B=2, H=1, T=400, D=64, n_c=20, start=1000, window=150)
+    check(layer, query(layer, 3, 3, torch.float32))
+    layer = build(seed=4, B=1, H=2, T=300, D=128, n_c=8)
+    check(layer, query(layer, 2, 3, torch.float32), window=100)  # the window of the call, not of the layer
+
+
+def test_bool_mask_gathered_at_kept_positions():
+    layer = build(seed=5, B=2, H=2, T=250, D=64, n_c=6)
+    L = 3
+    seq = layer.get_seq_length()
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(layer.batch, 1, L, seq + 7, generator=g) > 0.3
+    mask[1, :, :, :40] = False  # left padding of the second sequence
+    mask[0, :, 1, :] = False  # a query row that sees nothing: zero output
+    got, _ = check(layer, query(layer, 4, L, torch.float32), mask=mask)
+    assert got[0, :, 1].abs().max() == 0
+    check(layer, query(layer, 4, L, torch.float32), mask=mask[:1].expand(2, -1, -1, -1))  # broadcast strides
+
+
+def test_softcap():
+    layer = build(seed=6, B=1, H=2, T=200, D=64, n_c=4)
+    check(layer, query(layer, 2, 1, torch.float32) * 4, softcap=5.0)
+
+
+def test_bf16_cache_with_fp32_queries_and_other_pack_specs():
+    layer = build(seed=8, B=2, H=1, T=300, D=128, n_c=3, dtype16=torch.bfloat16)
+    check(layer, query(layer, 4, 1, torch.float32))
+    layer = build(seed=9, B=1, H=2, T=300, D=128, n_c=3, spec=PackSpec(v_group=128, k_group=7, k_block=32))
+    check(layer, query(layer, 2, 3, torch.float16))
+
+
+def test_many_query_rows_tile_over_the_m_axis():
+    layer = build(seed=10, B=1, H=1, T=150, D=64, n_c=20)
+    check(layer, query(layer, 8, 12, torch.float32))  # 96 rows -> two 64-row blocks
+
+
+def test_tables_stay_out_of_the_layer():
+    layer = build(seed=11, B=2, H=2, T=100, D=64, n_c=2)
+    before = layer.nbytes, set(layer.t)
+    check(layer, query(layer, 2, 1, torch.float32))
+    assert (layer.nbytes, set(layer.t)) == before
+
+
+@pytest.mark.parametrize("case", ["k_block", "dtype", "head_dim", "mask_dtype", "shape"])
+def test_unsupported_cases_raise(case):
+    q = None
+    kw = {}
+    if case == "k_block":
+        layer = build(T=40, D=64, spec=PackSpec(v_group=32, k_group=32, k_block=8))
+    elif case == "head_dim":
+        layer = build(T=40, D=96, spec=PackSpec(v_group=32, k_group=32, k_block=16))
+    else:
+        layer = build(T=40, D=64)
+    q = query(layer, 2, 1, torch.float64 if case == "dtype" else torch.float32)
+    if case == "mask_dtype":
+        kw["mask"] = torch.ones(2, 1, 1, layer.get_seq_length(), dtype=torch.long)
+    if case == "shape":
+        q = q[:1]
+    with pytest.raises(RDKVError):
+        kmod.trizone_decode(q, layer, 0.125, **kw)
+
+
+# --- end to end ----------------------------------------------------------------------------------------
+def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None):
+    from conftest import tiny_llama
+
+    monkeypatch.setenv("RDKV_BACKEND", backend)
+    model = tiny_llama(0)
+    rdkv.attach(model)
+    kw = {}
+    if batch_mask is not None:
+        pos = (batch_mask.cumsum(-1) - 1).clamp_min(0)
+        model(ids, attention_mask=batch_mask, position_ids=pos, use_cache=True)
+        kw = dict(attention_mask=torch.cat([batch_mask, torch.ones_like(nxt)], 1),
+                  position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1]))
+    else:
+        model(ids, use_cache=True)
+    cache = rdkv.compress(model, 0.3, v_group=32, k_group=32, k_block=16)
+    first = model(nxt, past_key_values=cache, **kw).logits  # L = nxt.shape[1] query positions at once
+    tok = first[:, -1:].argmax(-1)
+    if batch_mask is not None:
+        kw = dict(attention_mask=torch.cat([kw["attention_mask"], torch.ones_like(tok)], 1),
+                  position_ids=kw["position_ids"][:, -1:] + 1)
+    second = model(tok, past_key_values=cache, **kw).logits  # then one token
+    return first, second
+
+
+def _count_kernel_calls(monkeypatch):
+    calls = []
+    real = kmod.trizone_decode
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kmod, "trizone_decode", counted)
+    return calls
+
+
+def test_end_to_end_tiny_llama_triton_equals_torch(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    ids, nxt = torch.randint(0, 96, (1, 150), generator=g), torch.randint(0, 96, (1, 3), generator=g)
+    want = _decode_logits("torch", monkeypatch, ids, nxt)
+    calls = _count_kernel_calls(monkeypatch)
+    got = _decode_logits("triton", monkeypatch, ids, nxt)
+    assert len(calls) == 2 * 2  # two decode steps x two layers, all through the kernel
+    for a, b in zip(got, want):  # fp32 model: fp32 dots in the kernel, so only summation order differs
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_end_to_end_left_padded_batch(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    ids, nxt = torch.randint(0, 96, (2, 80), generator=g), torch.randint(0, 96, (2, 2), generator=g)
+    mask = torch.ones(2, 80, dtype=torch.long)
+    mask[1, :25] = 0
+    want = _decode_logits("torch", monkeypatch, ids, nxt, mask)
+    calls = _count_kernel_calls(monkeypatch)
+    got = _decode_logits("triton", monkeypatch, ids, nxt, mask)
+    assert len(calls) == 2 * 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
