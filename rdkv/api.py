@@ -28,6 +28,8 @@ class CompressConfig:
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
+    surprisal: float = 0.0  # weight of a prior proportional to each token's (pooled) surprisal
+    pool: int = 7  # surprisal max-pool width (odd)
     evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
@@ -40,6 +42,8 @@ class CompressConfig:
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
         if self.scope not in ("global", "layer"):
             raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
+        if self.pool < 1 or self.pool % 2 == 0 or self.surprisal < 0 or self.floor < 0:
+            raise RDKVError("pool must be a positive odd int; surprisal and floor must be >= 0")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
 
@@ -66,10 +70,52 @@ def attach(model: torch.nn.Module, window: int = 64, all_queries: bool = False) 
     for m in mods:
         m._rdkv_state = state
     model._rdkv_state = state
+    model._rdkv_hooks = _record_tokens(model, state)
     if getattr(model.config, "_attn_implementation", None) != NAME:
         model._rdkv_previous_attn = model.config._attn_implementation
         model.set_attn_implementation(NAME)
     return model
+
+
+def _record_tokens(model: torch.nn.Module, state: RDKVState) -> list:
+    """Hooks that keep the prefill's token ids and final hidden states, from which ``compress`` can
+    compute each token's surprisal (-log p under the model) without the user keeping all logits."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None or model.get_output_embeddings() is None:
+        return []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        state.recording = not isinstance(cache, TriZoneCache) and ids is not None
+        if not state.recording:
+            return
+        fresh = cache is None or cache.get_seq_length() == 0
+        state.ids = ids.detach() if fresh or state.ids is None else torch.cat([state.ids, ids.detach()], 1)
+        if fresh:
+            state.hidden = None
+
+    def after(module, args, out):
+        if state.recording:
+            h = out.detach()
+            state.hidden = h if state.hidden is None else torch.cat([state.hidden, h], 1)
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True), norm.register_forward_hook(after)]
+
+
+def surprisal(model: torch.nn.Module, chunk: int = 256) -> torch.Tensor:
+    """-log p(x_t | x_<t) of every prefill token [B, T] (the first token gets the mean)."""
+    state = _state(model)
+    if state.hidden is None or state.ids is None or state.hidden.shape[1] != state.ids.shape[1]:
+        raise RDKVError("no token record for the last prefill: pass input_ids (not inputs_embeds) to the prefill")
+    head, ids, h = model.get_output_embeddings(), state.ids, state.hidden
+    out = torch.zeros(ids.shape, device=h.device)
+    for a in range(0, ids.shape[1] - 1, chunk):
+        b = min(a + chunk, ids.shape[1] - 1)
+        logp = head(h[:, a:b]).float().log_softmax(-1)
+        out[:, a + 1 : b + 1] = -logp.gather(-1, ids[:, a + 1 : b + 1, None]).squeeze(-1)
+    out[:, 0] = out[:, 1:].mean(1) if ids.shape[1] > 1 else 0.0
+    return out
 
 
 def detach(model: torch.nn.Module) -> torch.nn.Module:
@@ -80,6 +126,8 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if getattr(m, "_rdkv_state", None) is state:
             del m._rdkv_state
+    for h in model.__dict__.pop("_rdkv_hooks", []):
+        h.remove()
     model.set_attn_implementation(model.__dict__.pop("_rdkv_previous_attn", "sdpa"))
     return model
 
@@ -137,11 +185,16 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return k, v, start
 
 
-def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig) -> LayerTables:
+def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
     sums = layer_sums(st, cfg.weights)
     cut = start - (st.seen - sums.mass.shape[-1])
     sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
-    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, cfg.floor)
+    n = present.sum(-1, keepdim=True).clamp_min(1)
+    prior = cfg.floor / n
+    if surprise is not None:
+        s = surprise[:, None, start:] * present
+        prior = prior + cfg.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
+    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior)
     pos = torch.arange(start, st.seen, device=k.device)
     first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
@@ -186,7 +239,11 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     budgets = [budget * f if budget is not None else float("inf") for f in fp16]
     try:
         if method in RDKV_VARIANTS:
-            tables = [_rdkv_tables(st, k, v, start, p, cfg) for st, k, v, start, p in held]
+            surprise = None
+            if cfg.surprisal > 0:  # pooled over neighbours so a whole improbable span counts, not one word
+                s = surprisal(model)
+                surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
+            tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
             v_opt, k_opt = allocate(tables, budgets, cfg.scope)
             perms = [t.perm for t in tables]
         else:

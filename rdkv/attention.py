@@ -53,6 +53,9 @@ class RDKVState:
     window: int = 64
     all_queries: bool = False
     layers: dict[int, LayerStats] = field(default_factory=dict)
+    ids: torch.Tensor | None = None  # [B, seen] token ids of the prefill (for surprisal)
+    hidden: torch.Tensor | None = None  # [B, seen, d_model] final hidden states of the prefill
+    recording: bool = False  # the current forward runs on an ordinary cache
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -8,8 +8,10 @@ Two distortion models:
   sum_q p_qt^2 ||r_t||^2; evicting the token is the same with r_t = v_t - (mean value). A key error
   e_tc shifts score q_c e_tc * scale, which moves the output by p_qt ds_qt (v_t - o), so a K channel
   costs scale^2 * mean(q_c^2) * sum_t m_t ||v_t - o||^2 e_tc^2. Here m_t = sum_q p_qt^2 plus a prior
-  ``floor * n_queries / T``: the chance that a future query, unlike the prefill's, concentrates on
-  token t. Without it, tokens the prefill ignored (a needle, before its question) look free to evict.
+  per query: the chance that a future query, unlike the prefill's, concentrates on token t (uniform,
+  ``floor / T``, optionally plus a share proportional to the token's surprisal, since improbable text
+  is what a later question is likely to ask about). Without it, tokens the prefill ignored (a needle,
+  before its question) look free to evict.
   Errors are measured by quantizing each unit at each width.
 * ``"paper"``: RDKV's w * sigma * 2^-b for both, with w = sum_q p_qt for tokens and
   ||Q_c|| ||K_c|| / sqrt(d) for channels, each on its own scale.
@@ -89,15 +91,19 @@ def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: Pac
 
 
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
-                 spec: PackSpec, end: int, model: str = "output", floor: float = 1.0) -> LayerTables:
-    """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``)."""
+                 spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | None = None) -> LayerTables:
+    """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
+
+    ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,
+    per query, beyond what the prefill's queries did (the uniform ``floor`` plus optional surprisal).
+    """
     if model not in MODELS:
         raise RDKVError(f"unknown distortion model {model!r}; choose one of {MODELS}")
     B, H, T, D = k.shape
     w = token_weights(sums) * present
     if model == "output":
         nq = sums.nq.clamp_min(1).view(B, 1, 1)
-        m = (sums.mass2 + floor * nq / present.sum(-1, keepdim=True).clamp_min(1)) * present
+        m = (sums.mass2 + (0 if prior is None else nq * prior)) * present
         ev = _v_errors(v, w, spec)
         dv = m.unsqueeze(-1) * ev
         dkc = scaling**2 * (sums.q2 / nq).unsqueeze(-1) * _k_errors(k, m * ev[..., 0], present, spec)

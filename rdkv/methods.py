@@ -29,6 +29,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-nofloor": {"floor": 0.0},
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
     "rdkv-noevict": {"evict": False},
+    "rdkv-surprisal": {"surprisal": 1.0},
     "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "sinks": 0, "recent": 0},
 }
 OPT = {w: i for i, w in enumerate(quant.WIDTHS)}
