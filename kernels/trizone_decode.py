@@ -70,7 +70,7 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
     j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
@@ -129,7 +129,7 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
               vc_ptr, vs_ptr, vz_ptr, sqd, window, softcap,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
-              K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+              K_GROUP, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
               PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
               BLOCK_M: tl.constexpr, scale2):
     """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens."""
@@ -185,7 +185,7 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_ab", "n_c", "c_chunks", "prefix_len", "seq_len", "window"])
 def _trizone_attn(
     q_ptr, sqb, sqh, sql, sqd,
     out_ptr, lse_ptr,
@@ -197,14 +197,14 @@ def _trizone_attn(
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
     mask_ptr, smb, sml, smk,
     n_ab, n_c, c_chunks, prefix_len, seq_len, scale2, window, softcap,
-    H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    KB: tl.constexpr, NB: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, SPLIT: tl.constexpr,
+    H, G, L, K_GROUP, SPLIT,
+    D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
-    GL: tl.constexpr = G * L
+    GL = G * L
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m < GL
     g = m // L
@@ -299,20 +299,20 @@ def _trizone_attn(
 
 
 @triton.jit
-def _trizone_merge(part_ptr, lse_ptr, ab_first_ptr, ab_cnt_ptr, out_ptr, n_ab, c_chunks,
-                   H: tl.constexpr, G: tl.constexpr, L: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+def _trizone_merge(part_ptr, lse_ptr, ab_first_ptr, ab_cnt_ptr, out_ptr, n_ab, c_chunks, H, G, L,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """out[b, h*G+g, l] = sum_k 2^(lse_k - lse) o_k over the stream's chunks (zero if none saw a key)."""
     s = tl.program_id(0)
-    mb = tl.program_id(1)
-    GL: tl.constexpr = G * L
+    ND: tl.constexpr = D // BLOCK_D
+    mb = tl.program_id(1) // ND
+    GL = G * L
     m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = m < GL
-    d = tl.arange(0, D_PAD)
+    d = (tl.program_id(1) % ND) * BLOCK_D + tl.arange(0, BLOCK_D)
     om = row_ok[:, None] & (d < D)[None, :]
     mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     wsum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
     first = tl.load(ab_first_ptr + s)
     cnt = tl.load(ab_cnt_ptr + s)
     for k in range(0, cnt + c_chunks):
@@ -443,6 +443,13 @@ def launch_config(D: int, block_m: int) -> Config:
     return Config(block_n, warps)
 
 
+MERGE_BLOCK_D = 64  # the merge kernel tiles D too, so its fp32 tiles stay small (no spills at D=256)
+
+
+def merge_warps(D: int, block_m: int) -> int:
+    return 4
+
+
 def choose_split(layer: TriZoneLayer, q: torch.Tensor, block_n: int) -> int:
     """Tokens per zone A+B work item: about two work items per SM over the whole layer, >= 256."""
     split = int(os.environ.get("RDKV_KERNEL_SPLIT", 0))
@@ -542,12 +549,14 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             kc, *kc.stride(), vc, *vc.stride(), *mask_args,
             tab.n_ab, n_c, max(1, c_chunks), layer.prefix_len, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
-            H=H, G=G, L=L, D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, K_GROUP=spec.k_group,
-            V_GROUP=spec.v_group, SPLIT=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
+            H, G, L, spec.k_group, split,
+            D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    _trizone_merge[(S, m_blocks)](part, lse, tab.ab_first, tab.ab_cnt, out, tab.n_ab, c_chunks if n_prog else 0,
-                                  H=H, G=G, L=L, D=D, D_PAD=_pow2(D), BLOCK_M=block_m, num_warps=4)
+    block_d = min(D, MERGE_BLOCK_D)
+    _trizone_merge[(S, m_blocks * (D // block_d))](part, lse, tab.ab_first, tab.ab_cnt, out, tab.n_ab,
+                                  c_chunks if n_prog else 0, H, G, L, D=D, BLOCK_D=block_d, BLOCK_M=block_m,
+                                  num_warps=merge_warps(D, block_m))
     return out

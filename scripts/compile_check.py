@@ -35,7 +35,10 @@ def variants(quick: bool) -> list[dict]:
     if quick:
         for D in (64, 128, 256):
             out.append(dict(D=D, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16))
+        out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         return out
+    for D, (GL, L) in itertools.product((64, 128, 256), ((4, 1), (64, 8))):
+        out.append(dict(D=D, dtype="fp16", GL=GL, L=L, flags=(False, False, False), kb=16, kernel="merge"))
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32"), ((4, 1), (24, 3), (64, 8))):
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16))
     for D in (64, 128, 256):  # window + mask + softcap together (the heaviest masking path), and k_block 32
@@ -75,23 +78,36 @@ def signature(fn, dtype: str, dt16: str) -> dict[str, str]:
 
 
 def resource_usage(kernel, arch: int) -> dict:
-    """Registers, spill bytes and stack of a compiled kernel, from the bundled ptxas."""
+    """Registers, spill bytes and stack of a compiled kernel.
+
+    Re-runs the bundled ptxas on the kernel's PTX with the flags triton itself uses (``-lineinfo
+    --regAllocOptLevel=2``, fma fusion on) plus ``-v``, and cross-checks the register count against the
+    cubin triton produced (``cuobjdump --dump-resource-usage``).
+    """
     from triton.backends.nvidia import compiler as nv
 
-    ptxas = nv.get_ptxas(arch).path if hasattr(nv, "get_ptxas") else "ptxas"
+    ptxas = nv.get_ptxas(arch).path
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        r = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", ptx, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
+        r = subprocess.run([ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu}", ptx, "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
+        cubin = os.path.join(d, "triton.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        dump = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
     log = r.stdout + r.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
     if not regs:
         raise RuntimeError(f"could not read ptxas -v output:\n{log}")
+    real = re.search(r"REG:(\d+) STACK:(\d+)", dump)
+    if real and int(real.group(1)) != int(regs.group(1)):
+        raise RuntimeError(f"ptxas -v says {regs.group(1)} registers, triton's cubin {real.group(1)}: flags drifted")
     return dict(regs=int(regs.group(1)), spill_st=int(spill.group(1)) if spill else 0,
                 spill_ld=int(spill.group(2)) if spill else 0, stack=int(stack.group(1)) if stack else 0)
 
@@ -108,9 +124,20 @@ def compile_one(v: dict, arch: int) -> dict:
     window, mask, softcap = v["flags"]
     block_m = min(64, max(16, m._pow2(GL)))
     cfg = m.launch_config(D, block_m)
+    if v.get("kernel") == "merge":
+        fn = m._trizone_merge
+        consts = dict(D=D, BLOCK_D=min(D, m.MERGE_BLOCK_D), BLOCK_M=block_m)
+        sig = {n: "constexpr" if n in consts else ("*fp32" if n in ("part_ptr", "lse_ptr") else "*i32" if n.endswith("_ptr")
+                                                   and n != "out_ptr" else PTR_DTYPES[v["dtype"]] if n == "out_ptr" else "i32")
+               for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
+        t0 = time.time()
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=m.merge_warps(D, block_m),
+                                                                                 num_stages=1))
+        return dict(v, arch=arch, block_m=block_m, block_n=0, warps=m.merge_warps(D, block_m), smem=k.metadata.shared, secs=time.time() - t0,
+                    **resource_usage(k, arch))
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
-    consts = dict(H=8, G=GL // L, L=L, D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], K_GROUP=32, V_GROUP=32,
-                  SPLIT=8 * cfg.block_n, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
+    consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], V_GROUP=32, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap)
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
     fn = m._trizone_attn
@@ -149,12 +176,13 @@ def main(argv=None) -> int:
     else:
         rows = [_job(j) for j in jobs]
     bad = 0
-    head = f"{'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
+    head = f"{'kernel':>5} {'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
            f"{'regs':>4} {'spill':>7} {'stack':>5} {'smem KB':>7} {'secs':>5}  status"
     print(head)
     for r in rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        lead = f"sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
+        name = "merge" if r.get("kernel") == "merge" else "attn"
+        lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         if "error" in r:
             bad += 1
             print(f"{lead}  FAIL {r['error']}")

@@ -12,18 +12,27 @@ Tolerances (``tol``):
   |v| <= ~4. Both outputs are then rounded to fp16: one ulp at |out| in [2, 4) is 2e-3. Observed max
   error over the grid: 2e-3 (one output ulp). atol 5e-3 / rtol 5e-3 leaves ~2x margin on the typical
   case while staying 5x below the all-errors-aligned bound, which a layout bug would exceed by far.
-* bf16 is not run here: the interpreter computes bf16 wrongly, so bf16-cache cases feed fp32 queries
-  (the kernel's dots then run in fp32 over the bf16 rows, which is what "upcast bf16" means here).
+* bf16 queries run only on CUDA (the interpreter computes bf16 wrongly; on CPU bf16-cache cases feed fp32
+  queries, so the kernel's dots run in fp32 over the bf16 rows). bf16 keeps 8 mantissa bits instead of
+  11, so every fp16 error term above grows 8x: atol 4e-2 / rtol 4e-2.
+
+RDKV_TEST_DEVICE=cuda runs the same tests compiled on a GPU (scripts/gpu_check.sh); the default is the
+interpreter on CPU.
 """
 import importlib
 import math
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+DEVICE = os.environ.get("RDKV_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
 
 import pytest
 import torch
+
+if DEVICE != "cpu" and not torch.cuda.is_available():
+    pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
 import rdkv
 from rdkv import RDKVError, quant
@@ -34,7 +43,15 @@ if "rdkv.kernels.trizone_decode" in sys.modules:  # imported earlier without the
     importlib.reload(sys.modules["rdkv.kernels.trizone_decode"])
 from rdkv.kernels import trizone_decode as kmod  # noqa: E402
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
+       torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+if DEVICE != "cpu":  # fp32 dots use "ieee" on GPU too, but accumulation order differs more across warps
+    TOL[torch.float32] = dict(atol=1e-4, rtol=1e-4)
+
+
+def on_device(layer):
+    layer.t = {k: v.to(DEVICE) for k, v in layer.t.items()}
+    return layer
 
 
 def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), spec=None,
@@ -66,15 +83,17 @@ def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 
     layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T)
     if n_c:
         layer.update(torch.randn(B, H, n_c, D, generator=g), torch.randn(B, H, n_c, D, generator=g))
-    return layer
+    return on_device(layer)
 
 
 def query(layer, G, L, dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(layer.batch, layer.heads * G, L, layer.head_dim, generator=g).to(dtype)
+    return torch.randn(layer.batch, layer.heads * G, L, layer.head_dim, generator=g).to(dtype).to(DEVICE)
 
 
 def check(layer, q, window=None, softcap=None, mask=None):
+    if mask is not None:
+        mask = mask.to(DEVICE)
     scaling = layer.head_dim ** -0.5
     want = trizone_attention(q, layer, scaling, window, softcap, mask)
     got = kmod.trizone_decode(q, layer, scaling, window, softcap, mask)
@@ -165,6 +184,14 @@ def test_bf16_cache_with_fp32_queries_and_other_pack_specs():
     check(layer, query(layer, 2, 3, torch.float16))
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter computes bf16 wrongly")
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_bf16_queries_on_gpu(D):
+    layer = build(seed=12 + D, B=2, H=2, T=900, D=D, n_c=5, dtype16=torch.bfloat16)
+    check(layer, query(layer, 4, 1, torch.bfloat16))
+    check(layer, query(layer, 3, 3, torch.bfloat16))
+
+
 def test_many_query_rows_tile_over_the_m_axis():
     layer = build(seed=10, B=1, H=1, T=150, D=64, n_c=20)
     check(layer, query(layer, 8, 12, torch.float32))  # 96 rows -> two 64-row blocks
@@ -201,14 +228,16 @@ def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None):
     from conftest import tiny_llama
 
     monkeypatch.setenv("RDKV_BACKEND", backend)
-    model = tiny_llama(0)
+    model = tiny_llama(0).to(DEVICE)
+    ids, nxt = ids.to(DEVICE), nxt.to(DEVICE)
+    batch_mask = batch_mask.to(DEVICE) if batch_mask is not None else None
     rdkv.attach(model)
     kw = {}
     if batch_mask is not None:
         pos = (batch_mask.cumsum(-1) - 1).clamp_min(0)
         model(ids, attention_mask=batch_mask, position_ids=pos, use_cache=True)
         kw = dict(attention_mask=torch.cat([batch_mask, torch.ones_like(nxt)], 1),
-                  position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1]))
+                  position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1], device=DEVICE))
     else:
         model(ids, use_cache=True)
     cache = rdkv.compress(model, 0.3, v_group=32, k_group=32, k_block=16)
