@@ -158,3 +158,17 @@ def test_fixed_rate_method_over_budget_raises(llama):
         rdkv.compress(llama, 0.3, method="int8", **SMALL)
     with pytest.raises(rdkv.RDKVError, match="unknown method"):
         rdkv.compress(llama, 0.3, method="h2o")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
+    model = tiny_llama(5, dtype)
+    rdkv.attach(model)
+    ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 3))
+    full = model(ids, use_cache=True).past_key_values
+    cache = rdkv.compress(model, 1.0, **SMALL)
+    assert cache.layers[0].t["vc"].dtype == dtype
+    held = cache.report().totals()
+    assert held["v16"] == sum(held[f"v{w}"] for w in (0, 2, 4, 8, 16))  # a 16-bit cache stays 16-bit...
+    got, want = model(nxt, past_key_values=cache).logits.float(), model(nxt, past_key_values=full).logits.float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # ...up to K blocks and 16-bit rounding
