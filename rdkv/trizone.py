@@ -117,6 +117,8 @@ class TriZoneLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length  # the same question under its transformers 5.2 name
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise RDKVError("beam search is not supported on a compressed cache; use greedy or sampling")
 
