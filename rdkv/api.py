@@ -203,16 +203,18 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
 
 
 @torch.no_grad()
-def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = "rdkv",
-             config: CompressConfig | None = None, **overrides) -> TriZoneCache:
-    """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
-    ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
+def allocation_tables(model: torch.nn.Module, method: str = "rdkv", config: CompressConfig | None = None,
+                      **overrides) -> tuple[CompressConfig, list[LayerTables], list[int]]:
+    """What the solver sees for ``model``'s last prefill: (config, per-layer tables, fp16 bytes per
+    sequence). The budget of sequence b is budget x fp16[b]; see :func:`rdkv.solvers.allocate`."""
+    if method not in RDKV_VARIANTS:
+        raise RDKVError(f"method {method!r} has no distortion model; use one of {', '.join(RDKV_VARIANTS)}")
+    cfg, _, fp16, tables = _prepare(model, method, config, overrides)
+    return cfg, tables, fp16
 
-    ``method`` is ``"rdkv"``, one of its variants or a baseline (:data:`rdkv.methods.METHODS`); all go
-    through the same packer. Fixed-rate baselines (int8, kivi2, ...) need no budget; given one, they
-    raise if they do not fit. The uncompressed cache and the model are left untouched, so one prefill
-    can be compressed many times; on any error nothing changes.
-    """
+
+def _prepare(model, method: str, config: CompressConfig | None, overrides: dict):
+    """Validate, gather each layer's held cache, and build the solver tables (RDKV variants only)."""
     if method not in METHODS:
         raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in RDKV_VARIANTS:
@@ -220,8 +222,6 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     else:
         overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
     cfg = _config(config, overrides)
-    if budget is not None or method not in FIXED_RATE:
-        budget = _check_budget(budget)
     state = _state(model)
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):
@@ -232,21 +232,40 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
         cfg.spec.check(st.key.shape[-1])
         k, v, start = _held(st, i)
         held.append((st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3])))
-    spec = cfg.spec
     # fp16 bytes of what the cache holds, per sequence: K and V rows of 2 * head_dim bytes each
     fp16 = [sum(int(p[b].sum()) * 4 * k.shape[-1] for _, k, _, _, p in held) for b in range(held[0][1].shape[0])]
-    fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
+    tables = None
+    if method in RDKV_VARIANTS:
+        surprise = None
+        if cfg.surprisal > 0:  # pooled over neighbours so a whole improbable span counts, not one word
+            s = surprisal(model)
+            surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
+        tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
+    return cfg, held, fp16, tables
+
+
+@torch.no_grad()
+def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = "rdkv",
+             config: CompressConfig | None = None, **overrides) -> TriZoneCache:
+    """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
+    ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
+
+    ``method`` is ``"rdkv"``, one of its variants or a baseline (:data:`rdkv.methods.METHODS`); all go
+    through the same packer. Fixed-rate baselines (int8, kivi2, ...) need no budget; given one, they
+    raise if they do not fit. The uncompressed cache and the model are left untouched, so one prefill
+    can be compressed many times; on any error nothing changes.
+    """
+    if budget is not None or method not in FIXED_RATE:
+        budget = _check_budget(budget)
+    cfg, held, fp16, tables = _prepare(model, method, config, overrides)
+    spec = cfg.spec
     budgets = [budget * f if budget is not None else float("inf") for f in fp16]
     try:
-        if method in RDKV_VARIANTS:
-            surprise = None
-            if cfg.surprisal > 0:  # pooled over neighbours so a whole improbable span counts, not one word
-                s = surprisal(model)
-                surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
-            tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
+        if tables is not None:
             v_opt, k_opt = allocate(tables, budgets, cfg.scope)
             perms = [t.perm for t in tables]
         else:
+            fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
             inputs = [LayerInput(k, p, layer_sums(st, "window").mass[..., start - st.seen :], start, st.seen)
                       for st, k, v, start, p in held]
             v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)

@@ -269,33 +269,10 @@ def bytes_per_token(cache: TriZoneCache) -> "Figure":
 
 # --- rate-distortion -----------------------------------------------------------------------------------
 
-class _Captured(Exception):
-    def __init__(self, tables: list, budgets: list[float], scope: str):
-        super().__init__("allocation inputs captured")
-        self.tables, self.budgets, self.scope = tables, budgets, scope
-
-
 def _tables(model: torch.nn.Module, method: str, config: api.CompressConfig | None, overrides: dict):
-    """The allocator's tables for the model's last prefill, each sequence's fp16 bytes and the scope.
-
-    Taken from ``rdkv.compress`` itself (its call to the allocator is intercepted and cut short, so
-    nothing is packed): the curve then always uses exactly the tables compress would, whatever options
-    and priors compress grows.
-    """
-    if method not in api.RDKV_VARIANTS:
-        raise RDKVError(f"method {method!r} has no distortion model; use one of {', '.join(api.RDKV_VARIANTS)}")
-
-    def capture(tables, budgets, scope="global"):
-        raise _Captured(tables, budgets, scope)
-
-    solver, api.allocate = api.allocate, capture
-    try:
-        api.compress(model, 1.0, method=method, config=config, **overrides)  # budget 1: budgets = fp16 bytes
-    except _Captured as c:
-        return c.tables, [float(b) for b in c.budgets], c.scope
-    finally:
-        api.allocate = solver
-    raise RDKVError("rdkv.compress did not call rdkv.api.allocate; rdkv.plots needs updating to match it")
+    """The allocator's tables for the model's last prefill, each sequence's fp16 bytes and the scope."""
+    cfg, tables, fp16 = api.allocation_tables(model, method, config, **overrides)
+    return tables, [float(f) for f in fp16], cfg.scope
 
 
 def _objective(tables, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
