@@ -28,7 +28,7 @@ class CompressConfig:
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
-    surprisal: float = 0.0  # weight of a prior proportional to each token's (pooled) surprisal
+    surprisal: float = 3.0  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
     pool: int = 7  # surprisal max-pool width (odd)
     evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
@@ -90,6 +90,7 @@ def _record_tokens(model: torch.nn.Module, state: RDKVState) -> list:
         state.recording = not isinstance(cache, TriZoneCache) and ids is not None
         if not state.recording:
             return
+        state.surprisal = None
         fresh = cache is None or cache.get_seq_length() == 0
         state.ids = ids.detach() if fresh or state.ids is None else torch.cat([state.ids, ids.detach()], 1)
         if fresh:
@@ -104,10 +105,14 @@ def _record_tokens(model: torch.nn.Module, state: RDKVState) -> list:
 
 
 def surprisal(model: torch.nn.Module, chunk: int = 256) -> torch.Tensor:
-    """-log p(x_t | x_<t) of every prefill token [B, T] (the first token gets the mean)."""
+    """-log p(x_t | x_<t) of every prefill token [B, T] (the first token gets the mean); computed once
+    per prefill from the recorded final hidden states."""
     state = _state(model)
+    if state.surprisal is not None:
+        return state.surprisal
     if state.hidden is None or state.ids is None or state.hidden.shape[1] != state.ids.shape[1]:
-        raise RDKVError("no token record for the last prefill: pass input_ids (not inputs_embeds) to the prefill")
+        raise RDKVError("no token record for the last prefill (it needs input_ids, not inputs_embeds, and a model "
+                        "with a final norm and an output head): prefill with input_ids or pass surprisal=0")
     head, ids, h = model.get_output_embeddings(), state.ids, state.hidden
     out = torch.zeros(ids.shape, device=h.device)
     for a in range(0, ids.shape[1] - 1, chunk):
@@ -115,6 +120,7 @@ def surprisal(model: torch.nn.Module, chunk: int = 256) -> torch.Tensor:
         logp = head(h[:, a:b]).float().log_softmax(-1)
         out[:, a + 1 : b + 1] = -logp.gather(-1, ids[:, a + 1 : b + 1, None]).squeeze(-1)
     out[:, 0] = out[:, 1:].mean(1) if ids.shape[1] > 1 else 0.0
+    state.surprisal = out
     return out
 
 

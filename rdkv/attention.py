@@ -56,6 +56,7 @@ class RDKVState:
     ids: torch.Tensor | None = None  # [B, seen] token ids of the prefill (for surprisal)
     hidden: torch.Tensor | None = None  # [B, seen, d_model] final hidden states of the prefill
     recording: bool = False  # the current forward runs on an ordinary cache
+    surprisal: torch.Tensor | None = None  # computed from ids/hidden on first use
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -26,11 +26,11 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv": {},
     "rdkv-all": {"weights": "all"},  # needs rdkv.attach(model, all_queries=True)
     "rdkv-layer": {"scope": "layer"},
-    "rdkv-nofloor": {"floor": 0.0},
+    "rdkv-nofloor": {"floor": 0.0, "surprisal": 0.0},
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
     "rdkv-noevict": {"evict": False},
-    "rdkv-surprisal": {"surprisal": 1.0},
-    "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "sinks": 0, "recent": 0},
+    "rdkv-nosurprisal": {"surprisal": 0.0},
+    "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "surprisal": 0.0, "sinks": 0, "recent": 0},
 }
 OPT = {w: i for i, w in enumerate(quant.WIDTHS)}
 
