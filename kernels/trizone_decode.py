@@ -433,14 +433,23 @@ class Config:
     num_stages: int = 1
 
 
-def launch_config(D: int, block_m: int) -> Config:
-    """Tile sizes per head_dim (checked for spills by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N /
-    RDKV_KERNEL_WARPS override them for experiments."""
+def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
+    """Tile sizes per head_dim, query-row block and dtype, chosen so no variant spills registers
+    (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS override them for
+    experiments."""
     block_n = 64 if D <= 128 else 32
+    if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
+        block_n = 16
     warps = 4 if D <= 64 else 8
     block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
     warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
     return Config(block_n, warps)
+
+
+def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
+    """Query rows per program: >= 16 for tl.dot, <= 32 (16 for fp32) to bound registers; more rows tile
+    the second grid axis."""
+    return min(16 if dtype == torch.float32 else 32, max(16, _pow2(rows)))
 
 
 MERGE_BLOCK_D = 64  # the merge kernel tiles D too, so its fp32 tiles stay small (no spills at D=256)
@@ -508,9 +517,9 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     G, S = Hq // H, B * H
     t, spec = layer.t, layer.spec
     GL = G * L
-    block_m = min(64, max(16, _pow2(GL)))
+    block_m = block_m_for(GL, query.dtype)
     m_blocks = -(-GL // block_m)
-    cfg = launch_config(D, block_m)
+    cfg = launch_config(D, block_m, query.dtype)
     split = choose_split(layer, query, cfg.block_n)
     tab = tables(layer, split)
     seq = layer.get_seq_length()

@@ -113,6 +113,7 @@ def resource_usage(kernel, arch: int) -> dict:
 
 
 def compile_one(v: dict, arch: int) -> dict:
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -122,8 +123,9 @@ def compile_one(v: dict, arch: int) -> dict:
 
     D, GL, L = v["D"], v["GL"], v["L"]
     window, mask, softcap = v["flags"]
-    block_m = min(64, max(16, m._pow2(GL)))
-    cfg = m.launch_config(D, block_m)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
+    block_m = m.block_m_for(GL, dtype)
+    cfg = m.launch_config(D, block_m, dtype)
     if v.get("kernel") == "merge":
         fn = m._trizone_merge
         consts = dict(D=D, BLOCK_D=min(D, m.MERGE_BLOCK_D), BLOCK_M=block_m)
@@ -167,9 +169,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one fp16 variant per head_dim, sm_90 only")
     ap.add_argument("--arch", type=int, action="append", help="80 and/or 90 (default both; --quick: 90)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", help="comma-separated filters key=value on variants, e.g. dtype=fp32,D=256")
     a = ap.parse_args(argv)
     archs = a.arch or ([90] if a.quick else [90, 80])
-    jobs = [(v, arch) for arch in archs for v in variants(a.quick)]
+    want = dict(kv.split("=") for kv in a.only.split(",")) if a.only else {}
+    jobs = [(v, arch) for arch in archs for v in variants(a.quick)
+            if all(str(v.get(k, "attn" if k == "kernel" else None)) == x for k, x in want.items())]
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
             rows = list(ex.map(_job, jobs))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU check for the TriZone decode kernel, sized for a short GPU loan (about 5 minutes on an H100/H200):
+#   1. environment facts (nvidia-smi, torch/triton versions);
+#   2. the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: same cases as the interpreter run,
+#      plus bf16 queries, which the interpreter cannot check);
+#   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%).
+# Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
+# bench.txt, bench_decode.md, bench_decode.json. Exit status: non-zero if the tests or the benchmark failed.
+#
+#   OUT=/tmp/out bash scripts/gpu_check.sh
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh     # a python whose torch sees the GPU
+#   BENCH_ARGS="--contexts 8192 32768" bash scripts/gpu_check.sh   # a shorter benchmark
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+
+pick_python() {
+    for p in "${PYTHON:-}" .venv/bin/python python3 python; do
+        [ -n "$p" ] || continue
+        command -v "$p" >/dev/null 2>&1 || [ -x "$p" ] || continue
+        if "$p" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+            echo "$p"; return 0
+        fi
+    done
+    return 1
+}
+PY=$(pick_python) || { echo "no python with a CUDA torch + triton found (set PYTHON=...)" | tee "$OUT/env.txt"; exit 2; }
+# make `import rdkv` / `rdkv.kernels` work from this checkout even if the package is not installed here
+if ! "$PY" -c "import rdkv.kernels.trizone_decode" 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+fi
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.memory,driver_version --format=csv 2>&1
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(torch.cuda.get_device_name())"
+    git log -1 --oneline 2>/dev/null
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+status=0
+echo "== kernel tests on CUDA =="
+t0=$(date +%s)
+RDKV_TEST_DEVICE=cuda timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_decode.py 2>&1 | tee "$OUT/tests.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
+
+echo "== decode benchmark =="
+t0=$(date +%s)
+# shellcheck disable=SC2086
+timeout 420 "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+echo "benchmark took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
+exit $status
