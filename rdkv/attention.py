@@ -123,9 +123,8 @@ def _sdpa(q, k, v, q_pos, k_pos, scaling, window, mask) -> torch.Tensor:
         ok = mask
     elif window is not None or q.shape[2] != k.shape[2]:
         ok = allowed_keys(q_pos, k_pos, window)
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok, is_causal=ok is None, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=ok, is_causal=ok is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     if mask is not None:  # rows that may attend to nothing (left padding) come out NaN
         out = out.nan_to_num(0.0)
     return out
