@@ -88,16 +88,19 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
     for gi, g in enumerate(groups):
         for yi, y in enumerate(ys):
             ax = axes[gi][yi]
-            for m in dict.fromkeys(r["method"] for r in rows):
+            colors = plt.get_cmap("tab20").colors
+            for i, m in enumerate(dict.fromkeys(r["method"] for r in rows)):
                 pts = sorted((r[x], r[y]) for r in rows if r["method"] == m and r.get("protocol", "") == g)
                 style = "o-" if m.startswith("rdkv") else "s--"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=m, lw=2 if m == "rdkv" else 1)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=m, color=colors[i % 20],
+                        lw=2.5 if m == "rdkv" else 1)
             ax.set_xscale("log")
             ax.set_xlabel("bytes held / fp16 bytes")
             ax.set_ylabel(y)
             ax.set_title(f"{title} {g}".strip())
             if y in ("KL", "NLL", "ppl increase %"):
                 ax.set_yscale("symlog", linthresh=1e-2)
+                ax.set_ylim(bottom=0)
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
