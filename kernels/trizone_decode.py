@@ -431,6 +431,7 @@ class Config:
     block_n: int
     num_warps: int
     num_stages: int = 1
+    maxnreg: int | None = None  # lets ptxas use every register instead of spilling to gain occupancy
 
 
 def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
@@ -438,12 +439,13 @@ def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> C
     (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS override them for
     experiments."""
     block_n = 64 if D <= 128 else 32
-    if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
-        block_n = 16
     warps = 4 if D <= 64 else 8
+    maxnreg = None
+    if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
+        block_n, maxnreg = 16, 65536 // (32 * warps)
     block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
     warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
-    return Config(block_n, warps)
+    return Config(block_n, warps, maxnreg=min(255, maxnreg) if maxnreg else None)
 
 
 def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
@@ -562,7 +564,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     block_d = min(D, MERGE_BLOCK_D)
     _trizone_merge[(S, m_blocks * (D // block_d))](part, lse, tab.ab_first, tab.ab_cnt, out, tab.n_ab,

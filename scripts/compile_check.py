@@ -148,7 +148,7 @@ def compile_one(v: dict, arch: int) -> dict:
         sig[k] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
     t0 = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps,
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if getattr(cfg, "maxnreg", None) else {}),
                                                                              num_stages=cfg.num_stages))
     secs = time.time() - t0
     ru = resource_usage(k, arch)

@@ -30,6 +30,16 @@ PY=$(pick_python) || { echo "no python with a CUDA torch + triton found (set PYT
 if ! "$PY" -c "import rdkv.kernels.trizone_decode" 2>/dev/null; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
 fi
+if ! "$PY" -c "import rdkv.kernels.trizone_decode" 2>/dev/null; then
+    # no install possible (offline): a shadow package of symlinks with the setup.cfg mapping
+    # rdkv.kernels -> kernels/, rdkv.solvers -> solvers/
+    SHADOW=$(mktemp -d)
+    mkdir "$SHADOW/rdkv"
+    for f in "$PWD"/rdkv/*; do ln -s "$f" "$SHADOW/rdkv/"; done
+    ln -s "$PWD/kernels" "$SHADOW/rdkv/kernels"
+    ln -s "$PWD/solvers" "$SHADOW/rdkv/solvers"
+    export PYTHONPATH="$SHADOW${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 {
     date -u
