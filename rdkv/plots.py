@@ -87,34 +87,30 @@ def k_width_grid(cache: TriZoneCache, seq: int = 0) -> torch.Tensor:
 
 # --- figures ------------------------------------------------------------------------------------------
 
+def _heatmap(grid: torch.Tensor, head: int, xlabel: str, title: str, evicted: str, figsize) -> "Figure":
+    _check_index("head", head, grid.shape[1])
+    cmap, norm = _width_cmap()
+    fig = _figure(figsize=figsize)
+    ax = fig.add_subplot()
+    ax.imshow(grid[:, head].numpy(), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, origin="lower")
+    ax.set(xlabel=xlabel, ylabel="layer", title=title)
+    _legend(ax, evicted=evicted, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    return fig
+
+
 def v_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> "Figure":
     """Layers x positions, colored by V width: shows where eviction and low precision land, e.g. whether
     the sinks and the recent window survive and which layers get the bytes."""
-    grid = v_width_grid(cache, seq)
-    _check_index("head", head, grid.shape[1])
-    cmap, norm = _width_cmap()
-    fig = _figure(figsize=(11, 4))
-    ax = fig.add_subplot()
-    ax.imshow(grid[:, head].numpy(), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, origin="lower")
-    ax.set(xlabel="token position", ylabel="layer",
-           title=f"V width per token (KV head {head}, sequence {seq}; budget {cache.budget})")
-    _legend(ax, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    return fig
+    return _heatmap(v_width_grid(cache, seq), head, "token position",
+                    f"V width per token (KV head {head}, sequence {seq}; budget {cache.budget})", "evicted", (11, 4))
 
 
 def k_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> "Figure":
     """Layers x channels, colored by K width: the outlier channels that get 8 or 16 bits (K is quantized
     per channel, so a few large channels decide most of the K error)."""
-    grid = k_width_grid(cache, seq)
-    _check_index("head", head, grid.shape[1])
-    cmap, norm = _width_cmap()
-    fig = _figure(figsize=(9, 4))
-    ax = fig.add_subplot()
-    ax.imshow(grid[:, head].numpy(), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm, origin="lower")
-    ax.set(xlabel="K channel (model order)", ylabel="layer",
-           title=f"K width per channel (KV head {head}, sequence {seq}; budget {cache.budget})")
-    _legend(ax, evicted="0 bit (channel mean)", loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    return fig
+    return _heatmap(k_width_grid(cache, seq), head, "K channel (model order)",
+                    f"K width per channel (KV head {head}, sequence {seq}; budget {cache.budget})",
+                    "0 bit (channel mean)", (9, 4))
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:

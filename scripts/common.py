@@ -107,6 +107,14 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
     fig.savefig(path, dpi=110)
 
 
+def write(name: str, md: str, rows: list[dict], ys: list[str], title: str) -> None:
+    """Print the markdown, and save it with its quality-vs-bytes plot under docs/results/."""
+    print(md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(md)
+    plot([r for r in rows if r["method"] != "full"], "bytes/fp16", ys, RESULTS / f"{name}.png", title)
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import RESULTS, compressions, forward, full_reference, header, kl, parser, plot, table
+from common import compressions, forward, full_reference, header, kl, parser, table, write
 
 
 def domain_text(name: str) -> str:
@@ -76,10 +76,7 @@ def main() -> None:
     name = f"perplexity_{args.model}_{tag}"
     md = (f"# Perplexity through the compressed cache: {args.model} ({tag})\n\n{header(args)}\n"
           f"Prefill N tokens, compress, teacher-force the next {args.continuation}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
-    print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(md)
-    plot([r for r in rows if r["method"] != "full"], "bytes/fp16", ["ppl increase %", "KL"], RESULTS / f"{name}.png", args.model)
+    write(name, md, rows, ["ppl increase %", "KL"], args.model)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import RESULTS, answer_scores, compressions, forward, full_reference, header, kl, parser, plot, table
+from common import answer_scores, compressions, forward, full_reference, header, kl, parser, table, write
 
 
 def main() -> None:
@@ -65,10 +65,7 @@ def main() -> None:
     md = (f"# Retrieval at equal bytes: {args.model} ({tag})\n\n{header(args)}\n"
           f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
           f"contexts), seed {args.seed}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
-    print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(md)
-    plot([r for r in rows if r["method"] != "full"], "bytes/fp16", ["EM", "KL"], RESULTS / f"{name}.png", args.model)
+    write(name, md, rows, ["EM", "KL"], args.model)
 
 
 if __name__ == "__main__":
