@@ -104,7 +104,7 @@ def _record_tokens(model: torch.nn.Module, state: RDKVState) -> list:
     return [model.register_forward_pre_hook(before, with_kwargs=True), norm.register_forward_hook(after)]
 
 
-def surprisal(model: torch.nn.Module, chunk: int = 256) -> torch.Tensor:
+def surprisal(model: torch.nn.Module, chunk: int = 64) -> torch.Tensor:
     """-log p(x_t | x_<t) of every prefill token [B, T] (the first token gets the mean); computed once
     per prefill from the recorded final hidden states."""
     state = _state(model)
