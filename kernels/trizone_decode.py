@@ -136,7 +136,6 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
     a = tl.maximum(lo, c_lo)
     e = tl.minimum(hi, c_hi)
     d = tl.arange(0, D_PAD)
-    d_ok = d < D
     for t0 in range(a, e, BLOCK_N):
         i = t0 + tl.arange(0, BLOCK_N)
         tok_ok = i < e

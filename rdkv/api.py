@@ -13,7 +13,7 @@ from .attention import RDKVState, rdkv_attention
 from .distortion import MODELS, LayerTables, fixed_bytes, layer_tables
 from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
 from .errors import RDKVError
-from .trizone import PackSpec, TriZoneCache, TriZoneLayer, pack_layer
+from .trizone import PackSpec, TriZoneCache, pack_layer
 from .weights import FORMS, layer_sums
 from .solvers.allocate import allocate
 

@@ -18,7 +18,7 @@ from . import api, quant
 from .errors import RDKVError
 from .report import COMPONENTS, component
 from .solvers.allocate import allocate
-from .trizone import V_CLASSES, TriZoneCache
+from .trizone import TriZoneCache
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

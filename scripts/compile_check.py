@@ -121,7 +121,7 @@ def compile_one(v: dict, arch: int) -> dict:
 
     from rdkv.kernels import trizone_decode as m
 
-    D, GL, L = v["D"], v["GL"], v["L"]
+    D, GL = v["D"], v["GL"]
     window, mask, softcap = v["flags"]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
     block_m = m.block_m_for(GL, dtype)

@@ -20,7 +20,6 @@ RDKV_TEST_DEVICE=cuda runs the same tests compiled on a GPU (scripts/gpu_check.s
 interpreter on CPU.
 """
 import importlib
-import math
 import os
 import sys
 
@@ -35,7 +34,7 @@ if DEVICE != "cpu" and not torch.cuda.is_available():
     pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
 import rdkv
-from rdkv import RDKVError, quant
+from rdkv import RDKVError
 from rdkv.reference import trizone_attention
 from rdkv.trizone import PackSpec, pack_layer
 
