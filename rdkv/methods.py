@@ -66,7 +66,9 @@ def _keep_count(layers: list[LayerInput], budgets: list[float], fixed: list[int]
     D = layers[0].k.shape[-1]
     per_token = 2 * D + 2 * D + (2 if layers[0].end <= 32767 else 4)
     heads = sum(L.present.shape[1] for L in layers)
-    return [max(0, int((budget - f) // (per_token * heads))) for budget, f in zip(budgets, fixed)]
+    if any(budget < f for budget, f in zip(budgets, fixed)):
+        raise ValueError(f"the per-head metadata alone takes {max(fixed)} bytes")
+    return [int((budget - f) // (per_token * heads)) for budget, f in zip(budgets, fixed)]
 
 
 def _evict(score_fn: Callable, adaptive: bool = False, window: int = 0) -> Callable:

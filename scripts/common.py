@@ -42,12 +42,12 @@ def settings(method: str, budgets: list[float]) -> list[float | None]:
     return [None] if method in rdkv.methods.FIXED_RATE else budgets
 
 
-def compressions(model, methods: list[str], budgets: list[float]):
+def compressions(model, methods: list[str], budgets: list[float], **options):
     """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped."""
     for m in methods:
         for b in settings(m, budgets):
             try:
-                yield m, b, rdkv.compress(model, b, method=m)
+                yield m, b, rdkv.compress(model, b, method=m, **options)
             except rdkv.RDKVError as e:
                 print(f"  skip {m} @ {b}: {e}")
 

@@ -1,0 +1,33 @@
+"""The experiment harness (scripts/common.py) on a tiny model: scores, skips and tables."""
+import sys
+from pathlib import Path
+
+import torch
+
+import rdkv
+from conftest import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import common  # noqa: E402
+
+
+def test_scores_and_kl():
+    logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
+    tail = torch.tensor([[0, 1, 2]])
+    nll, em = common.answer_scores(logits, tail, 2)  # position 0 predicts 1, position 1 predicts 2
+    assert em and abs(nll - 2 * float(-logits[0].log_softmax(-1)[1])) < 1e-6
+    assert common.kl(logits, logits) == 0.0
+    assert common.kl(logits, logits.flip(0)) > 1.0
+
+
+def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit():
+    model = tiny_llama(7)
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    methods = ["rdkv", "snapkv", "int8"]
+    runs = common.compressions(model, methods, [1e-4, 0.3], v_group=32, k_group=32, k_block=16)
+    got = [(m, b, round(c.nbytes / c.fp16_bytes, 3)) for m, b, c in runs]
+    assert [(m, b) for m, b, _ in got] == [("rdkv", 0.3), ("snapkv", 0.3), ("int8", None)]  # 1e-4 is skipped
+    assert all(r <= 0.3 for m, b, r in got if b) and got[-1][2] > 0.5
+    md = common.table([{"method": m, "budget": b, "bytes/fp16": r} for m, b, r in got], ["method", "budget", "bytes/fp16"])
+    assert md.count("\n") == 4 and "| int8 | None |" in md
