@@ -15,10 +15,12 @@ Array = Union[np.ndarray, torch.Tensor]
 
 
 def _prepare(D: Array, R: Array) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], Array]]:
-    """Validate inputs; return float64 D, R on the working device and a converter for the result."""
+    """Validate inputs; return D, R on the working device (float64, or float32 for instances large
+    enough that memory matters -- sums are always taken in float64) and a converter for the result."""
     is_torch = isinstance(D, torch.Tensor) or isinstance(R, torch.Tensor)
     device = next((x.device for x in (D, R) if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    D, R = (torch.as_tensor(x, dtype=torch.float64, device=device) for x in (D, R))
+    dtype = torch.float64 if D.shape[0] <= SWAP_UNITS else torch.float32
+    D, R = (torch.as_tensor(x, dtype=dtype, device=device) for x in (D, R))
     if D.ndim != 2 or D.shape != R.shape:
         raise ValueError("D and R must be 2-D arrays of the same shape (units, options); "
                          f"got {tuple(D.shape)} and {tuple(R.shape)}")
@@ -41,7 +43,7 @@ def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
     budget = float(budget)
     if math.isnan(budget):
         raise ValueError("budget must not be NaN")
-    min_cost = torch.where(D.isfinite(), R, math.inf).amin(1).sum().item()
+    min_cost = torch.where(D.isfinite(), R, math.inf).amin(1).sum(dtype=torch.float64).item()
     if min_cost > budget:
         raise ValueError(f"infeasible: the minimum achievable cost is {min_cost:.12g} bytes but the budget is "
                          f"{budget:.12g}; raise the budget to at least {min_cost:.12g}")
@@ -57,7 +59,7 @@ def at(X: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def cost(R: torch.Tensor, c: torch.Tensor) -> float:
-    return at(R, c).sum().item()
+    return at(R, c).sum(dtype=torch.float64).item()
 
 
 def moves(D: torch.Tensor, R: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
