@@ -66,6 +66,8 @@ def attach(model: torch.nn.Module, window: int = 64, all_queries: bool = False) 
         )
     AttentionInterface.register(NAME, rdkv_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    for h in model.__dict__.pop("_rdkv_hooks", []):  # re-attaching replaces the previous state and hooks
+        h.remove()
     state = RDKVState(window=window, all_queries=all_queries)
     for m in mods:
         m._rdkv_state = state
@@ -139,8 +141,10 @@ def detach(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def release(model: torch.nn.Module) -> None:
-    """Forget the last prefill's statistics and its references to the uncompressed cache."""
-    _state(model).layers.clear()
+    """Forget the last prefill's statistics, its token record and its references to the uncompressed cache."""
+    state = _state(model)
+    state.layers.clear()
+    state.ids = state.hidden = state.surprisal = None
 
 
 def _state(model: torch.nn.Module) -> RDKVState:
@@ -192,9 +196,7 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
-    sums = layer_sums(st, cfg.weights)
-    cut = start - (st.seen - sums.mass.shape[-1])
-    sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
+    sums = layer_sums(st, cfg.weights, start)
     n = present.sum(-1, keepdim=True).clamp_min(1)
     prior = cfg.floor / n
     if surprise is not None:
@@ -272,7 +274,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             perms = [t.perm for t in tables]
         else:
             fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
-            inputs = [LayerInput(k, p, layer_sums(st, "window").mass[..., start - st.seen :], start, st.seen)
+            inputs = [LayerInput(k, p, layer_sums(st, "window", start).mass, start, st.seen)
                       for st, k, v, start, p in held]
             v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)
             perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]

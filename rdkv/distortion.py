@@ -27,7 +27,7 @@ import torch
 from . import quant
 from .attention import AttentionSums
 from .errors import RDKVError
-from .trizone import PackSpec, pos_dtype
+from .trizone import PackSpec, pos_bytes
 from .weights import channel_weights, token_weights
 
 MODELS = ("output", "paper")
@@ -115,7 +115,6 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         dkc = (channel_weights(sums, kk) * kk.std(-2, correction=0)).unsqueeze(-1) * halving
     perm = dkc[..., 1].argsort(-1, descending=True)  # group channels of similar 2-bit sensitivity
     dk = dkc.gather(2, perm.unsqueeze(-1).expand_as(dkc)).unflatten(2, (-1, spec.k_block)).sum(3)
-    pos_bytes = torch.tensor([], dtype=pos_dtype(end)).element_size()
-    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group) + (pos_bytes if b else 0) for b in quant.WIDTHS],
+    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group) + (pos_bytes(end) if b else 0) for b in quant.WIDTHS],
                       dtype=torch.float64)
     return LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec))

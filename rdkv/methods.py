@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
+from .trizone import pos_bytes
 
 RDKV_VARIANTS: dict[str, dict] = {
     "rdkv": {},
@@ -64,7 +65,7 @@ def _uniform(v_width: int, k_width: int, recent: int = 0) -> Callable:
 def _keep_count(layers: list[LayerInput], budgets: list[float], fixed: list[int], kb: int) -> list[int]:
     """Tokens each (layer, head) of sequence b may keep in fp16 (V row + position + K row)."""
     D = layers[0].k.shape[-1]
-    per_token = 2 * D + 2 * D + (2 if layers[0].end <= 32767 else 4)
+    per_token = 2 * D + 2 * D + pos_bytes(layers[0].end)
     heads = sum(L.present.shape[1] for L in layers)
     if any(budget < f for budget, f in zip(budgets, fixed)):
         raise ValueError(f"the per-head metadata alone takes {max(fixed)} bytes")

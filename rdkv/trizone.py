@@ -49,6 +49,11 @@ def pos_dtype(length: int) -> torch.dtype:
     return torch.int16 if length <= torch.iinfo(torch.int16).max else torch.int32
 
 
+def pos_bytes(length: int) -> int:
+    """Bytes of one stored position when positions run up to ``length``."""
+    return 2 if pos_dtype(length) == torch.int16 else 4
+
+
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For segment sizes ``counts`` [P]: (segment id, index inside the segment) of every element."""
     seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)

@@ -14,13 +14,15 @@ from .errors import RDKVError
 FORMS = ("all", "window")
 
 
-def layer_sums(stats: LayerStats, form: str) -> AttentionSums:
-    """Sums over the chosen query set, with keys restricted to the tokens the layer's cache holds."""
+def layer_sums(stats: LayerStats, form: str, start: int | None = None) -> AttentionSums:
+    """Sums over the chosen query set, with keys restricted to positions ``start`` (default: the
+    first the layer's cache holds) and later."""
+    start = stats.start if start is None else start
     if form == "all":
         s = stats.sums
         if s is None:
             raise RDKVError("weights='all' needs every prefill query: attach with rdkv.attach(model, all_queries=True)")
-        return AttentionSums(s.mass[..., stats.start :], s.mass2[..., stats.start :], s.q2, s.nq)
+        return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
     if form == "window":
         q = stats.window_q
         dev = q.device
@@ -28,6 +30,8 @@ def layer_sums(stats: LayerStats, form: str) -> AttentionSums:
         k_pos = torch.arange(stats.start, stats.seen, device=dev)
         mask = stats.valid[:, None, None, stats.start :].expand(-1, 1, q.shape[2], -1)
         _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask)
+        cut = start - stats.start
+        sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
         return sums
     raise RDKVError(f"unknown weight form {form!r}; choose one of {FORMS}")
 

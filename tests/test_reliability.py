@@ -117,3 +117,17 @@ def test_two_thousand_decode_steps_keep_length_positions_and_masks():
             torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
     assert cache.get_seq_length() == full.get_seq_length() == 2050
     assert cache.layers[0].t["kc"].shape[2] == 2000  # zone C holds exactly the new tokens
+
+
+def test_attaching_twice_keeps_one_set_of_hooks_and_release_forgets_everything():
+    model = tiny_llama(8)
+    rdkv.attach(model)
+    rdkv.attach(model)
+    assert len(model._rdkv_hooks) == 2 and len(model._forward_pre_hooks) == 1
+    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    state = model._rdkv_state
+    assert state.hidden.shape[1] == 40 and state.ids.shape[1] == 40
+    rdkv.release(model)
+    assert state.hidden is None and state.ids is None and not state.layers
+    with pytest.raises(rdkv.RDKVError, match="no prefill"):
+        rdkv.compress(model, 0.3, **SMALL)
