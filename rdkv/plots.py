@@ -16,7 +16,7 @@ import torch
 
 from . import api, quant
 from .errors import RDKVError
-from .report import COMPONENTS, component
+from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
 from .trizone import TriZoneCache
 
@@ -237,9 +237,7 @@ def bytes_per_token(cache: TriZoneCache) -> "Figure":
     shows how much of the budget metadata (scales, zeros, indices) eats rather than codes."""
     per_layer = []
     for layer in cache.layers:
-        comp = dict.fromkeys(COMPONENTS, 0)
-        for name, t in layer.t.items():
-            comp[component(name)] += t.numel() * t.element_size()
+        comp = layer_components(layer)
         tokens = layer.prefix_len * layer.batch
         per_layer.append({k: v / tokens for k, v in comp.items()})
     fig = _figure(figsize=(10, 4))

@@ -24,6 +24,14 @@ def component(name: str) -> str:
     return "indices"  # pos, v_counts, k_perm, k_bits
 
 
+def layer_components(layer) -> dict[str, int]:
+    """Bytes one TriZone layer holds, per accounting bucket."""
+    comps = dict.fromkeys(COMPONENTS, 0)
+    for name, t in layer.t.items():
+        comps[component(name)] += t.numel() * t.element_size()
+    return comps
+
+
 @dataclass
 class Report:
     """Per (layer, sequence, kv head): V tokens and K channels per width; bytes per component."""
@@ -38,8 +46,8 @@ class Report:
     def of(cls, cache) -> "Report":
         rows, comps = [], dict.fromkeys(COMPONENTS, 0)
         for li, layer in enumerate(cache.layers):
-            for name, t in layer.t.items():
-                comps[component(name)] += t.numel() * t.element_size()
+            for k, v in layer_components(layer).items():
+                comps[k] += v
             vw, kw = layer.v_widths(), layer.k_widths()
             for b in range(layer.batch):
                 for h in range(layer.heads):
