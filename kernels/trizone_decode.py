@@ -235,30 +235,22 @@ def _trizone_attn(
             mean = tl.load(k0m + row0 * KB + cK).to(tl.float32)
             bias += tl.reduce(qb * mean[None, :], 1, _add)
         bias = bias * scale2
-        m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5), tl.load(vcls_ptr + s * 5 + 1),
-                                  tl.load(vbase_ptr + s * 4), q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b, tok0,
-                                  tab_base, pos_ptr, mask_ptr, smb, sml, smk, q_l, kord_ptr, krow_ptr, kgrp_ptr,
-                                  kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16, v2c, v2s, v2z, sqd,
-                                  window, softcap, 2, KB, D, D_PAD, NB, K_GROUP, V_GROUP, BLOCK_N, DOT, PREC,
-                                  HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M, scale2)
-        m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + 1), tl.load(vcls_ptr + s * 5 + 2),
-                                  tl.load(vbase_ptr + s * 4 + 1), q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b,
-                                  tok0, tab_base, pos_ptr, mask_ptr, smb, sml, smk, q_l, kord_ptr, krow_ptr, kgrp_ptr,
-                                  kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16, v4c, v4s, v4z, sqd,
-                                  window, softcap, 4, KB, D, D_PAD, NB, K_GROUP, V_GROUP, BLOCK_N, DOT, PREC,
-                                  HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M, scale2)
-        m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + 2), tl.load(vcls_ptr + s * 5 + 3),
-                                  tl.load(vbase_ptr + s * 4 + 2), q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b,
-                                  tok0, tab_base, pos_ptr, mask_ptr, smb, sml, smk, q_l, kord_ptr, krow_ptr, kgrp_ptr,
-                                  kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16, v8c, v8s, v8z, sqd,
-                                  window, softcap, 8, KB, D, D_PAD, NB, K_GROUP, V_GROUP, BLOCK_N, DOT, PREC,
-                                  HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M, scale2)
-        m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + 3), tl.load(vcls_ptr + s * 5 + 4),
-                                  tl.load(vbase_ptr + s * 4 + 3), q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b,
-                                  tok0, tab_base, pos_ptr, mask_ptr, smb, sml, smk, q_l, kord_ptr, krow_ptr, kgrp_ptr,
-                                  kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16, v16, v16, v16, sqd,
-                                  window, softcap, 16, KB, D, D_PAD, NB, K_GROUP, V_GROUP, BLOCK_N, DOT, PREC,
-                                  HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M, scale2)
+        for c in tl.static_range(4):  # V width classes 2, 4, 8, 16: one dequantisation path each
+            if c == 0:
+                vc, vs, vz = v2c, v2s, v2z
+            elif c == 1:
+                vc, vs, vz = v4c, v4s, v4z
+            elif c == 2:
+                vc, vs, vz = v8c, v8s, v8z
+            else:
+                vc, vs, vz = v16, v16, v16
+            m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + c),
+                                      tl.load(vcls_ptr + s * 5 + c + 1), tl.load(vbase_ptr + s * 4 + c), q_row_ptrs,
+                                      row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base, pos_ptr, mask_ptr, smb, sml,
+                                      smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z,
+                                      k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD, NB,
+                                      K_GROUP, V_GROUP, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
+                                      scale2)
     else:
         cid = pid - n_ab
         s = cid // c_chunks
