@@ -122,6 +122,21 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
+def _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk,
+             HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Which (query row, key) pairs may attend: causal by position, sliding window, optional bool mask
+    read at the key's absolute position (the kernel's twin of rdkv.attention.allowed_keys)."""
+    ok = tok_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        ok = ok & (q_pos[:, None] - kpos[None, :] < window)
+    if HAS_MASK:
+        mv = tl.load(mask_ptr + b * smb + q_l[:, None] * sml + kpos[None, :].to(tl.int64) * smk,
+                     mask=tok_ok[None, :] & row_ok[:, None], other=0)
+        ok = ok & (mv != 0)
+    return ok
+
+
+@triton.jit
 def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base,
               pos_ptr, mask_ptr, smb, sml, smk, q_l,
@@ -150,13 +165,7 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
                            kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
-        ok = tok_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= q_pos[:, None])
-        if HAS_WINDOW:
-            ok = ok & (q_pos[:, None] - kpos[None, :] < window)
-        if HAS_MASK:
-            mv = tl.load(mask_ptr + b * smb + q_l[:, None] * sml + kpos[None, :].to(tl.int64) * smk,
-                         mask=tok_ok[None, :] & row_ok[:, None], other=0)
-            ok = ok & (mv != 0)
+        ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
         p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
         rows = vbase + i.to(tl.int64)
         if VW == 16:
@@ -269,13 +278,7 @@ def _trizone_attn(
             kt = tl.load(k_base_c + j[None, :] * skn + d[:, None] * skd, mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
             scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
             kpos = prefix_len + j
-            ok = tok_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                ok = ok & (q_pos[:, None] - kpos[None, :] < window)
-            if HAS_MASK:
-                mv = tl.load(mask_ptr + b * smb + q_l[:, None] * sml + kpos[None, :].to(tl.int64) * smk,
-                             mask=tok_ok[None, :] & row_ok[:, None], other=0)
-                ok = ok & (mv != 0)
+            ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
             p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
             v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
             acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
