@@ -28,6 +28,7 @@ integers per stream and K block.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import weakref
@@ -193,7 +194,7 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["n_ab", "n_c", "c_chunks", "prefix_len", "seq_len", "window"])
+@triton.jit(do_not_specialize=["n_ab", "n_c", "c_chunks", "c_start", "seq_len", "window"])
 def _trizone_attn(
     q_ptr, sqb, sqh, sql, sqd,
     out_ptr, lse_ptr,
@@ -204,7 +205,7 @@ def _trizone_attn(
     v2c, v2s, v2z, v4c, v4s, v4z, v8c, v8s, v8z, v16,
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
     mask_ptr, smb, sml, smk,
-    n_ab, n_c, c_chunks, prefix_len, seq_len, scale2, window, softcap,
+    n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
     H, G, L, K_GROUP, SPLIT,
     D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
@@ -277,7 +278,7 @@ def _trizone_attn(
             tok_ok = j < hi
             kt = tl.load(k_base_c + j[None, :] * skn + d[:, None] * skd, mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
             scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
-            kpos = prefix_len + j
+            kpos = c_start + j
             ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
             p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
             v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
@@ -293,10 +294,24 @@ def _trizone_attn(
 
 
 @triton.jit
-def _trizone_merge(part_ptr, lse_ptr, ab_first_ptr, ab_cnt_ptr, out_ptr, n_ab, c_chunks, H, G, L,
+def _merge_in(p, mx, wsum, acc, part_ptr, lse_ptr, GL, m, d, row_ok, om, D: tl.constexpr):
+    """Fold partial result ``p`` into the running (max, weight sum, weighted output) of a merge."""
+    lse = tl.load(lse_ptr + p * GL + m, mask=row_ok, other=float("-inf"))
+    new = tl.maximum(mx, lse)
+    safe = tl.where(new == float("-inf"), 0.0, new)  # -inf - -inf would be NaN
+    alpha = tl.exp2(mx - safe)
+    w = tl.exp2(lse - safe)
+    o = tl.load(part_ptr + (p * GL + m)[:, None] * D + d[None, :], mask=om, other=0.0)
+    return new, wsum * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+
+@triton.jit
+def _trizone_merge(part_ptr, lse_ptr, seg_first_ptr, seg_cnt_ptr, n_seg, out_ptr, c_base, c_chunks, H, G, L,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """out[b, h*G+g, l] = sum_k 2^(lse_k - lse) o_k over the stream's chunks (zero if none saw a key)."""
+    """out[b, h*G+g, l] = sum_k 2^(lse_k - lse) o_k over the stream's chunks (zero if none saw a key):
+    the chunks of every packed segment (``seg_first``/``seg_cnt`` [n_seg, S]), then those of zone C."""
     s = tl.program_id(0)
+    S = tl.num_programs(0)
     ND: tl.constexpr = D // BLOCK_D
     mb = tl.program_id(1) // ND
     GL = G * L
@@ -307,19 +322,13 @@ def _trizone_merge(part_ptr, lse_ptr, ab_first_ptr, ab_cnt_ptr, out_ptr, n_ab, c
     mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     wsum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    first = tl.load(ab_first_ptr + s)
-    cnt = tl.load(ab_cnt_ptr + s)
-    for k in range(0, cnt + c_chunks):
-        p = tl.where(k < cnt, first + k, n_ab + s * c_chunks + (k - cnt)).to(tl.int64)
-        lse = tl.load(lse_ptr + p * GL + m, mask=row_ok, other=float("-inf"))
-        new = tl.maximum(mx, lse)
-        safe = tl.where(new == float("-inf"), 0.0, new)  # -inf - -inf would be NaN
-        alpha = tl.exp2(mx - safe)
-        w = tl.exp2(lse - safe)
-        o = tl.load(part_ptr + (p * GL + m)[:, None] * D + d[None, :], mask=om, other=0.0)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        wsum = wsum * alpha + w
-        mx = new
+    for j in range(n_seg):
+        first = tl.load(seg_first_ptr + j * S + s)
+        for k in range(tl.load(seg_cnt_ptr + j * S + s)):
+            mx, wsum, acc = _merge_in((first + k).to(tl.int64), mx, wsum, acc, part_ptr, lse_ptr, GL, m, d, row_ok, om, D)
+    for k in range(c_chunks):
+        mx, wsum, acc = _merge_in((c_base + s * c_chunks + k).to(tl.int64), mx, wsum, acc, part_ptr, lse_ptr, GL, m, d,
+                                  row_ok, om, D)
     res = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
     b = s // H
     h = s % H
@@ -516,22 +525,22 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     block_m = block_m_for(GL, query.dtype)
     m_blocks = -(-GL // block_m)
     cfg = launch_config(D, block_m, query.dtype)
-    split = choose_split(layer, query, cfg.block_n)
-    tab = tables(layer, split)
+    segs = layer.segments()
+    tabs = [tables(seg, choose_split(seg, query, cfg.block_n)) for seg in segs]
     seq = layer.get_seq_length()
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     kc, vc = t["kc"], t["vc"]
     n_c = kc.shape[2]
-    c_chunks = -(-n_c // split)
-    n_prog = tab.n_ab + S * c_chunks
+    split_c = tabs[0].split
+    c_chunks = -(-n_c // split_c)
+    # partial results: segment 0's chunks, zone C's, then each fold's
+    sizes = [tabs[0].n_ab + S * c_chunks] + [tab.n_ab for tab in tabs[1:]]
+    offs = [0] + list(itertools.accumulate(sizes))[:-1]
+    n_prog = sum(sizes)
     out = torch.empty(B, Hq, L, D, dtype=query.dtype, device=query.device)
     part = torch.empty(max(1, n_prog), GL, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(max(1, n_prog), GL, dtype=torch.float32, device=query.device)
     dev = query.device
-
-    def get(name: str, dtype=torch.float16) -> torch.Tensor:
-        x = t.get(name)
-        return x if x is not None and x.numel() else torch.zeros(1, dtype=dtype, device=dev)
 
     if mask is not None:
         m8 = mask.view(torch.uint8)  # same element size: a view for any strides
@@ -539,10 +548,18 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
         mask_args = (m8, smb, m8.stride(2), m8.stride(3))
     else:
         mask_args = (out, 0, 0, 0)
-    if n_prog:
-        _trizone_attn[(n_prog, m_blocks)](
-            query, *query.stride(), part, lse,
-            t["pos"], t["k_perm"], tab.tok0, tab.vcls, tab.vbase, tab.kord, tab.krow, tab.kgrp, tab.kcls,
+    for j, (seg, tab, off, size) in enumerate(zip(segs, tabs, offs, sizes)):
+        if not size:
+            continue
+        st = seg.t
+
+        def get(name: str, dtype=torch.float16) -> torch.Tensor:
+            x = st.get(name)
+            return x if x is not None and x.numel() else torch.zeros(1, dtype=dtype, device=dev)
+
+        _trizone_attn[(size, m_blocks)](
+            query, *query.stride(), part[off:], lse[off:],
+            st["pos"], st["k_perm"], tab.tok0, tab.vcls, tab.vbase, tab.kord, tab.krow, tab.kgrp, tab.kcls,
             tab.wi_s, tab.wi_lo,
             get("k0.mean"),
             get("k2.codes", torch.uint8), get("k2.scale"), get("k2.zero"),
@@ -552,16 +569,21 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             get("v4.codes", torch.uint8), get("v4.scale"), get("v4.zero"),
             get("v8.codes", torch.uint8), get("v8.scale"), get("v8.zero"), get("v16", layer.dtype16),
             kc, *kc.stride(), vc, *vc.stride(), *mask_args,
-            tab.n_ab, n_c, max(1, c_chunks), layer.prefix_len, seq, float(scaling) * LOG2E,
+            tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
-            H, G, L, spec.k_group, split,
+            H, G, L, spec.k_group, tab.split,
             D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
+    if len(tabs) == 1:
+        seg_first, seg_cnt = tabs[0].ab_first, tabs[0].ab_cnt
+    else:
+        seg_first = torch.stack([tab.ab_first + off for tab, off in zip(tabs, offs)])
+        seg_cnt = torch.stack([tab.ab_cnt for tab in tabs])
     block_d = min(D, MERGE_BLOCK_D)
-    _trizone_merge[(S, m_blocks * (D // block_d))](part, lse, tab.ab_first, tab.ab_cnt, out, tab.n_ab,
-                                  c_chunks if n_prog else 0, H, G, L, D=D, BLOCK_D=block_d, BLOCK_M=block_m,
+    _trizone_merge[(S, m_blocks * (D // block_d))](part, lse, seg_first, seg_cnt, len(tabs), out, tabs[0].n_ab,
+                                  c_chunks, H, G, L, D=D, BLOCK_D=block_d, BLOCK_M=block_m,
                                   num_warps=merge_warps(D, block_m))
     return out

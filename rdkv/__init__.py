@@ -2,8 +2,9 @@
 from . import methods, models
 from .api import CompressConfig, attach, compress, detach, release
 from .errors import RDKVError
+from .fold import FoldPolicy
 from .io import load, save
 from .trizone import PackSpec, TriZoneCache
 
-__all__ = ["attach", "compress", "detach", "release", "save", "load", "CompressConfig", "PackSpec", "TriZoneCache",
+__all__ = ["attach", "compress", "detach", "release", "save", "load", "CompressConfig", "FoldPolicy", "PackSpec", "TriZoneCache",
            "RDKVError", "methods", "models"]

@@ -13,7 +13,8 @@ from .attention import RDKVState, rdkv_attention
 from .distortion import MODELS, LayerTables, fixed_bytes, layer_tables
 from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
 from .errors import RDKVError
-from .trizone import PackSpec, TriZoneCache, pack_layer
+from .fold import FoldPolicy
+from .trizone import PackSpec, TriZoneCache, pack_choice
 from .weights import FORMS, layer_sums
 from .solvers.allocate import allocate
 
@@ -254,7 +255,7 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
 
 @torch.no_grad()
 def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = "rdkv",
-             config: CompressConfig | None = None, **overrides) -> TriZoneCache:
+             config: CompressConfig | None = None, fold: int | FoldPolicy | None = None, **overrides) -> TriZoneCache:
     """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
     ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
 
@@ -262,6 +263,10 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     through the same packer. Fixed-rate baselines (int8, kivi2, ...) need no budget; given one, they
     raise if they do not fit. The uncompressed cache and the model are left untouched, so one prefill
     can be compressed many times; on any error nothing changes.
+
+    ``fold=R`` (or a :class:`rdkv.fold.FoldPolicy`) packs every R tokens generated after compression
+    into the compressed zones at the same fraction of their fp16 bytes, so memory stays bounded over
+    long generations; by default generated tokens stay in 16 bits (zone C).
     """
     if budget is not None or method not in FIXED_RATE:
         budget = _check_budget(budget)
@@ -280,15 +285,13 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]
     except ValueError as e:
         raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
-    widths = torch.tensor(quant.WIDTHS, device=held[0][1].device)
-    layers = []
-    for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms):
-        kbits = widths[ko]  # [B, H, nb]
-        order = kbits.argsort(dim=-1, stable=True)  # blocks of one width contiguous
-        perm = perm.unflatten(-1, (-1, spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, spec.k_block))
-        layers.append(pack_layer(k, v, start, widths[vo], kbits.gather(-1, order), perm.flatten(-2), spec,
-                                 _dtype16(model), st.sliding_window, st.seen))
+    layers = [pack_choice(k, v, start, vo, ko, perm, spec, _dtype16(model), st.sliding_window, st.seen)
+              for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms)]
     cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget)
+    if fold is not None:
+        if not isinstance(fold, FoldPolicy):
+            fold = FoldPolicy(every=fold, budget=budget if budget is not None else cache.nbytes / cache.fp16_bytes)
+        cache.set_fold(fold)
     if budget is not None and cache.nbytes > budget * cache.fp16_bytes:
         if method in FIXED_RATE:
             raise RDKVError(f"{method} needs {cache.nbytes / cache.fp16_bytes:.4f} of the fp16 bytes, more than the "

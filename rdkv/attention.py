@@ -193,6 +193,10 @@ def rdkv_attention(
         from .decode import trizone_decode
 
         out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask)
+        if key.fold is not None:
+            from .fold import observe
+
+            observe(key, query, scaling, softcap)
         return out.transpose(1, 2), None
     state = getattr(module, "_rdkv_state", None)
     if state is None:

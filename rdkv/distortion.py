@@ -91,7 +91,7 @@ def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: Pac
 
 
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
-                 spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | None = None) -> LayerTables:
+                 spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | float | None = None) -> LayerTables:
     """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
 
     ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,

@@ -6,9 +6,10 @@ format name and an integer version, checked before anything else), and must refu
 that is not the one saved (a sha256 over every tensor and the metadata, checked on load).
 
 File layout: tensor ``layers.{i}.{name}`` is ``cache.layers[i].t[name]`` (zone C included, so a cache
-mid-generation round-trips). String metadata: ``format``, ``format_version``, ``cache`` (JSON:
-fp16_bytes, budget, layer count), ``layers`` (JSON list: each layer's scalars, its PackSpec, its 16-bit
-dtype name and the names of its tensors) and ``sha256``.
+mid-generation round-trips) and ``layers.{i}.folds.{j}.{name}`` the tensors of its j-th fold. String
+metadata: ``format``, ``format_version``, ``cache`` (JSON: fp16_bytes, budget, layer count, fold
+policy), ``layers`` (JSON list: each layer's scalars, its PackSpec, its 16-bit dtype name, the names of
+its tensors and its folds' spans and tensor names) and ``sha256``.
 
 The container is written here rather than by ``safetensors.torch.save_file``: that writer emits the
 metadata in hash-map order, which differs from run to run, and equal caches must give equal bytes. The
@@ -27,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import RDKVError
+from .fold import FoldPolicy
 from .trizone import PackSpec, TriZoneCache, TriZoneLayer
 
 FORMAT = "rdkv.trizone"
@@ -86,15 +88,19 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
         dtype16 = next((k for k, v in _DTYPE16.items() if v == layer.dtype16), None)
         if dtype16 is None:
             raise RDKVError(f"layer {i}: 16-bit dtype {layer.dtype16} is not float16 or bfloat16; cannot save it")
-        for name, t in layer.t.items():
-            if t.dtype not in _DTYPES:
-                raise RDKVError(f"layer {i} tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-            tensors[f"layers.{i}.{name}"] = t.detach().to("cpu").contiguous()
+        for prefix, part in [(f"layers.{i}", layer)] + [(f"layers.{i}.folds.{j}", f) for j, f in enumerate(layer.folds)]:
+            for name, t in part.t.items():
+                if t.dtype not in _DTYPES:
+                    raise RDKVError(f"layer {i} tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+                tensors[f"{prefix}.{name}"] = t.detach().to("cpu").contiguous()
         layers.append({"batch": layer.batch, "heads": layer.heads, "head_dim": layer.head_dim, "start": layer.start,
-                       "prefix_len": layer.prefix_len, "spec": asdict(layer.spec),
-                       "sliding_window": layer.sliding_window, "dtype16": dtype16, "tensors": sorted(layer.t)})
+                       "prefix_len": layer.prefix_len, "c_start": layer.c_start, "spec": asdict(layer.spec),
+                       "sliding_window": layer.sliding_window, "dtype16": dtype16, "tensors": sorted(layer.t),
+                       "folds": [{"start": f.start, "end": f.prefix_len, "tensors": sorted(f.t)} for f in layer.folds]})
+    policy = cache.layers[0].fold if cache.layers else None
     meta = {"format": FORMAT, "format_version": str(VERSION),
-            "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers)}),
+            "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
+                                 "fold": None if policy is None else asdict(policy)}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
     path = os.fspath(path)
@@ -144,6 +150,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     try:
         top, layers = json.loads(meta["cache"]), json.loads(meta["layers"])
         want = {f"layers.{i}.{n}" for i, lay in enumerate(layers) for n in lay["tensors"]}
+        want |= {f"layers.{i}.folds.{j}.{n}" for i, lay in enumerate(layers) for j, f in enumerate(lay.get("folds", []))
+                 for n in f["tensors"]}
         if top["layers"] != len(layers):
             raise ValueError(f"{top['layers']} layers announced, {len(layers)} described")
     except (KeyError, TypeError, ValueError) as e:
@@ -161,8 +169,16 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     for i, lay in enumerate(layers):
         if lay["dtype16"] not in _DTYPE16:
             raise RDKVError(f"{path!r} layer {i}: unknown 16-bit dtype {lay['dtype16']!r}")
+        shape = dict(batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], spec=PackSpec(**lay["spec"]),
+                     sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]])
         t = {n: tensors[f"layers.{i}.{n}"].to(device) for n in lay["tensors"]}
-        out.append(TriZoneLayer(t, batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], start=lay["start"],
-                                prefix_len=lay["prefix_len"], spec=PackSpec(**lay["spec"]),
-                                sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]]))
-    return TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"])
+        layer = TriZoneLayer(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
+        layer.c_start = lay.get("c_start", lay["prefix_len"])
+        for j, f in enumerate(lay.get("folds", [])):
+            ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"].to(device) for n in f["tensors"]}
+            layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
+        out.append(layer)
+    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"])
+    if top.get("fold"):
+        cache.set_fold(FoldPolicy(**top["fold"]))
+    return cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import RDKVError
+
 WIDTHS = (0, 2, 4, 8, 16)
 PACKED = (2, 4, 8)
 META_DTYPE = torch.float16
@@ -80,3 +82,91 @@ def row_bytes(width: int, dim: int, group: int) -> int:
     if width == 16:
         return 2 * dim
     return dim * width // 8 + (dim // group) * META_BYTES
+
+
+# --- quantize + pack in one call (the compress path; Triton on GPU) ---------------------------------------
+def check_quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
+                        segments: torch.Tensor | None = None) -> int:
+    """Validate the arguments of :func:`quantize_pack`; returns the axis as -1 or 0."""
+    if bits not in PACKED:
+        raise RDKVError(f"quantize_pack packs bits in {PACKED}, got {bits}")
+    if not isinstance(group, int) or group <= 0:
+        raise RDKVError(f"group must be a positive int, got {group!r}")
+    per = 8 // bits
+    if axis in (-1, x.dim() - 1) and x.dim() >= 1:
+        if segments is not None:
+            raise RDKVError("segments apply to axis=0 (groups along rows) only")
+        if x.shape[-1] % group:
+            raise RDKVError(f"last dim {x.shape[-1]} is not a multiple of group={group}")
+        if group % per:
+            raise RDKVError(f"group={group} must be a multiple of {per} codes per byte at {bits} bits "
+                            "(a byte may not straddle two groups)")
+        return -1
+    if axis != 0 or x.dim() != 2:
+        raise RDKVError(f"quantize_pack takes axis=-1 (groups along the last dim) or axis=0 with x [R, C] "
+                        f"(groups along rows), got axis={axis} for shape {tuple(x.shape)}")
+    if x.shape[1] % per:
+        raise RDKVError(f"C={x.shape[1]} channels are not a multiple of {per} codes per byte at {bits} bits")
+    if segments is not None:
+        if segments.dim() != 1 or segments.dtype.is_floating_point or segments.dtype == torch.bool:
+            raise RDKVError(f"segments must be a 1-d integer tensor of row counts, got {segments.dtype} "
+                            f"{tuple(segments.shape)}")
+        if segments.numel() and (int(segments.sum()) != x.shape[0] or bool((segments < 0).any())):
+            raise RDKVError(f"segments must be non-negative row counts summing to R={x.shape[0]}")
+        if not segments.numel() and x.shape[0]:
+            raise RDKVError(f"no segments for R={x.shape[0]} rows")
+    return 0
+
+
+def segment_groups(lens: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First row (int64) and row count of every group when segments of ``lens`` rows are cut into groups
+    of ``group`` rows (a segment's last group may be short), ordered segment by segment."""
+    lens = lens.long()
+    ng = torch.div(lens + group - 1, group, rounding_mode="floor")
+    total = int(ng.sum()) if ng.numel() else 0
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), ng, output_size=total)
+    j = torch.arange(total, device=lens.device) - (torch.cumsum(ng, 0) - ng)[seg]
+    start = (torch.cumsum(lens, 0) - lens)[seg] + j * group
+    return start, torch.minimum(lens[seg] - j * group, torch.full_like(start, group))
+
+
+def quantize_pack_torch(x: torch.Tensor, bits: int, group: int, axis: int = -1,
+                        segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path of :func:`quantize_pack` (and the reference of its Triton kernel)."""
+    axis = check_quantize_pack(x, bits, group, axis, segments)
+    if axis == -1:
+        c, scale, zero = quantize(x.unflatten(-1, (-1, group)), bits)
+        return pack(c.flatten(-2), bits), scale, zero
+    R, C = x.shape
+    x = x.float()
+    start, glen = segment_groups(segments if segments is not None else torch.tensor([R], device=x.device), group)
+    gid = torch.repeat_interleave(torch.arange(len(start), device=x.device), glen, output_size=R)
+    idx = gid.unsqueeze(-1).expand_as(x)
+    lo = x.new_full((len(start), C), float("inf")).scatter_reduce(0, idx, x, "amin")
+    hi = x.new_full((len(start), C), float("-inf")).scatter_reduce(0, idx, x, "amax")
+    scale, zero = scale_zero(lo, hi, bits)
+    return pack(codes(x, scale[gid], zero[gid], bits), bits), scale, zero
+
+
+def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
+                  segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize groups of ``x`` to ``bits`` in {2, 4, 8} and pack the codes: (packed uint8, scale fp16,
+    zero fp16), bit-identical on every backend.
+
+    ``axis=-1`` (V rows): x [..., n * group] -> packed [..., n * group * bits / 8], scale/zero [..., n]; the
+    same as :func:`quantize` on ``x.unflatten(-1, (-1, group))`` then :func:`pack`. ``axis=0`` (K): x [R, C],
+    groups of ``group`` rows per channel, restarting at every segment of ``segments`` (row counts summing to
+    R; default one) -> packed [R, C * bits / 8] (codes packed along C), scale/zero [groups, C].
+
+    Runs the Triton kernel (``rdkv.kernels.quantize_pack``) when ``rdkv.decode.backend(x.device)`` is
+    ``"triton"`` (CUDA tensors, or ``RDKV_BACKEND=triton``), the torch ops otherwise.
+    """
+    from .decode import backend  # here, not at the top: rdkv.decode imports rdkv.trizone, which imports this
+
+    if backend(x.device) == "torch":
+        return quantize_pack_torch(x, bits, group, axis, segments)
+    try:
+        from .kernels.quantize_pack import quantize_pack as triton_quantize_pack
+    except ImportError as e:
+        raise RDKVError(f"RDKV_BACKEND=triton but the Triton quantize kernel is unavailable: {e}") from e
+    return triton_quantize_pack(x, bits, group, axis, segments)

@@ -1,7 +1,7 @@
 """Pure-torch TriZone decode: the oracle the fused Triton kernel is tested against.
 
-Attention over zones A+B (dequantized) and zone C (fresh 16-bit tokens) is computed as two partial
-softmaxes merged by log-sum-exp, exactly the structure of the split-K kernel.
+Attention over each packed segment (zones A+B, dequantized; folds likewise) and zone C (fresh 16-bit
+tokens) is computed as partial softmaxes merged by log-sum-exp, exactly the structure of the split-K kernel.
 """
 from __future__ import annotations
 
@@ -49,15 +49,21 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     q_pos = torch.arange(seq - L, seq, device=dev).repeat(G)  # [G*L], head-major like q
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
 
-    K, V, pos, valid = layer.dequantize()
-    ok_a = allowed_keys(q_pos, pos, window) & valid.unsqueeze(1)  # [S, G*L, Na]
-    kc = layer.t["kc"].float().reshape(S, -1, D)
-    vc = layer.t["vc"].float().reshape(S, -1, D)
-    c_pos = torch.arange(layer.prefix_len, seq, device=dev)
-    ok_c = allowed_keys(q_pos, c_pos, window).expand(S, -1, -1)
+    c_pos = torch.arange(layer.c_start, seq, device=dev)
+    m = None
     if mask is not None:
         m = mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)  # [S, G*L, seq]
-        ok_a = ok_a & m.gather(2, pos.unsqueeze(1).expand_as(ok_a))
-        ok_c = ok_c & m[:, :, layer.prefix_len : seq]
-    out = merge([partial_attention(q, K, V, ok_a, scaling, softcap), partial_attention(q, kc, vc, ok_c, scaling, softcap)])
-    return out.reshape(B, Hq, L, D).to(query.dtype)
+    parts = []
+    for seg in layer.segments():
+        K, V, pos, valid = seg.dequantize()
+        ok = allowed_keys(q_pos, pos, window) & valid.unsqueeze(1)  # [S, G*L, N]
+        if m is not None:
+            ok = ok & m.gather(2, pos.unsqueeze(1).expand_as(ok))
+        parts.append(partial_attention(q, K, V, ok, scaling, softcap))
+    kc = layer.t["kc"].float().reshape(S, -1, D)
+    vc = layer.t["vc"].float().reshape(S, -1, D)
+    ok_c = allowed_keys(q_pos, c_pos, window).expand(S, -1, -1)
+    if m is not None:
+        ok_c = ok_c & m[:, :, layer.c_start : seq]
+    parts.append(partial_attention(q, kc, vc, ok_c, scaling, softcap))
+    return merge(parts).reshape(B, Hq, L, D).to(query.dtype)

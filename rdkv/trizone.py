@@ -12,9 +12,13 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
   with one fp16 scale and zero per channel per ``k_group`` consecutive tokens of a pair. Width 16 is
   ``k16``; width 0 stores only the channel means ``k0.mean``.
 * ``pos`` [N] is the absolute position of each kept token (needed by sliding-window masks and reports).
-* Zone C, ``kc``/``vc`` [B, H, n, D], holds tokens appended after compression, in the 16-bit dtype.
+* Zone C, ``kc``/``vc`` [B, H, n, D], holds tokens appended after compression, in the 16-bit dtype; its
+  first token sits at absolute position ``c_start``.
+* ``folds``: with a fold policy (:mod:`rdkv.fold`), older zone C tokens are packed into further
+  segments of the same layout (each a :class:`TriZoneLayer` without a zone C) covering positions
+  ``[fold.start, fold.prefix_len)``; ``qwin`` then holds the last decode queries the next fold weighs by.
 
-``nbytes`` is the sum of every tensor the layer holds; no other state is kept.
+``nbytes`` is the sum of every tensor the layer and its folds hold; no other state is kept.
 """
 from __future__ import annotations
 
@@ -96,6 +100,9 @@ class TriZoneLayer(CacheLayerMixin):
         self.prefix_len, self.spec, self.sliding_window, self.dtype16 = prefix_len, spec, sliding_window, dtype16
         self.is_sliding = sliding_window is not None
         self.is_initialized = True
+        self.c_start = prefix_len  # absolute position of zone C's first token
+        self.folds: list[TriZoneLayer] = []
+        self.fold = None  # a rdkv.fold.FoldPolicy, or None: zone C grows without bound
 
     # --- transformers cache-layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -112,7 +119,7 @@ class TriZoneLayer(CacheLayerMixin):
         return self, self
 
     def get_seq_length(self) -> int:
-        return self.prefix_len + self.t["kc"].shape[2]
+        return self.c_start + self.t["kc"].shape[2]
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
         # masks are built over absolute positions; decode gathers the columns of the tokens it kept
@@ -137,7 +144,11 @@ class TriZoneLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.t.values())
+        return sum(t.numel() * t.element_size() for t in self.t.values()) + sum(f.nbytes for f in self.folds)
+
+    def segments(self) -> list[TriZoneLayer]:
+        """The packed segments decode reads: the compressed prefix, then every fold."""
+        return [self, *self.folds]
 
     @property
     def kept(self) -> torch.Tensor:
@@ -265,6 +276,20 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
                         sliding_window=sliding_window, dtype16=dtype16)
 
 
+def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tensor, k_opt: torch.Tensor,
+                perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
+                prefix_len: int) -> TriZoneLayer:
+    """Pack an allocation given as option indices into ``quant.WIDTHS`` (V per token [B, H, T], K per
+    block [B, H, nb] in the channel order ``perm`` [B, H, D]); K blocks are reordered so each width
+    class is contiguous."""
+    widths = torch.tensor(quant.WIDTHS, device=k.device)
+    kbits = widths[k_opt]
+    order = kbits.argsort(dim=-1, stable=True)
+    perm = perm.unflatten(-1, (-1, spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, spec.k_block))
+    return pack_layer(k, v, start, widths[v_opt], kbits.gather(-1, order), perm.flatten(-2), spec, dtype16,
+                      sliding_window, prefix_len)
+
+
 class TriZoneCache(Cache):
     """A transformers ``Cache`` whose layers are :class:`TriZoneLayer`."""
 
@@ -273,9 +298,20 @@ class TriZoneCache(Cache):
         self.fp16_bytes = fp16_bytes  # what the compressed prefix takes as a plain fp16 cache
         self.budget = budget
 
+    def set_fold(self, policy) -> None:
+        """Fold zone C under ``policy`` (a :class:`rdkv.fold.FoldPolicy`) from the next decode step on;
+        ``None`` turns folding off. Validates against every layer before changing any."""
+        if policy is not None:
+            for layer in self.layers:
+                policy.check(layer)
+        for layer in self.layers:
+            layer.fold = policy
+            if policy is None:
+                layer.t.pop("qwin", None)
+
     @property
     def nbytes(self) -> int:
-        """Every byte the cache holds: codes, scales, zeros, indices, counts and zone C."""
+        """Every byte the cache holds: codes, scales, zeros, indices, counts, zone C and folds."""
         return sum(layer.nbytes for layer in self.layers)
 
     def report(self):

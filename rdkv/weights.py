@@ -28,12 +28,28 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None) -> Attent
         dev = q.device
         q_pos = torch.arange(stats.seen - q.shape[2], stats.seen, device=dev)
         k_pos = torch.arange(stats.start, stats.seen, device=dev)
-        mask = stats.valid[:, None, None, stats.start :].expand(-1, 1, q.shape[2], -1)
-        _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask)
+        sums = _window_sums(stats, q, q_pos, k_pos)
         cut = start - stats.start
         sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
         return sums
     raise RDKVError(f"unknown weight form {form!r}; choose one of {FORMS}")
+
+
+def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> AttentionSums:
+    """Sums of the window queries over the layer's keys: the Triton token-weight kernel when
+    ``rdkv.decode.backend`` picks triton (CUDA, or ``RDKV_BACKEND=triton``), else :func:`attend`."""
+    from .decode import backend
+
+    valid = stats.valid[:, stats.start :]
+    if backend(q.device) == "triton":
+        try:
+            from .kernels.token_weights import attention_sums
+        except ImportError as e:
+            raise RDKVError(f"RDKV_BACKEND=triton but the Triton token-weight kernel is unavailable: {e}") from e
+        return attention_sums(q, stats.key, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, valid)
+    mask = valid[:, None, None, :].expand(-1, 1, q.shape[2], -1)
+    _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask)
+    return sums
 
 
 def token_weights(sums: AttentionSums) -> torch.Tensor:

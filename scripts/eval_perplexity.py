@@ -2,14 +2,20 @@
 
     python scripts/eval_perplexity.py --quick
     python scripts/eval_perplexity.py --contexts 1024 2048 --continuation 256
+    python scripts/eval_perplexity.py --methods rdkv --budgets 0.1 0.25 --continuation 2048 --fold 0 256 --tag fold
 
 For each domain (prose: Python's language reference; code: a standard-library module; legal: Python's
 LICENSE.txt) prefill N tokens once, compress with every method and budget, then teacher-force the next
 M tokens through the compressed cache. Reports the perplexity increase over the full cache (%) and the
 mean KL of next-token distributions from the full cache.
+
+``--fold R`` (0 = never) runs each compressed cache with a zone-C fold policy (rdkv.fold): the
+continuation is then fed ``--step`` tokens per forward, so a fold happens within ``--step`` tokens of
+zone C reaching R + keep, and the table reports the bytes held at the end of the continuation.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import sysconfig
@@ -40,10 +46,20 @@ def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(-logits.log_softmax(-1).gather(1, targets[:, None]).mean())
 
 
+def continue_through(model, cache, tail: torch.Tensor, fold: int, step: int) -> torch.Tensor:
+    """Teacher-force ``tail`` through ``cache`` (in ``step``-token forwards when folding)."""
+    if not fold:
+        return forward(model, cache, tail)
+    cache.set_fold(rdkv.FoldPolicy(every=fold, budget=cache.budget or cache.nbytes / cache.fp16_bytes))
+    return torch.cat([forward(model, cache, tail[:, a : a + step]) for a in range(0, tail.shape[1], step)])
+
+
 def main() -> None:
     ap = parser(__doc__, [0.05, 0.1, 0.25, 0.5], [1024])
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--domains", nargs="+", default=["prose", "code", "legal"])
+    ap.add_argument("--fold", type=int, nargs="+", default=[0], help="zone-C fold sizes to compare (0 = never)")
+    ap.add_argument("--step", type=int, default=16, help="tokens per forward when folding")
     args = ap.parse_args()
     if args.quick:
         args.budgets, args.continuation = [0.1, 0.25], 128
@@ -62,17 +78,30 @@ def main() -> None:
             prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
             targets = ids[0, n + 1 : n + args.continuation + 1]
             full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-            runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets)]
+            runs = []
+            for m, b, c in compressions(model, args.methods, args.budgets):
+                # a plain fp16 cache of the same layers after the continuation
+                ratio = c.nbytes / c.fp16_bytes
+                fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)
+                for i, fold in enumerate(args.fold):
+                    cache = c if i == len(args.fold) - 1 else copy.deepcopy(c)
+                    logits = continue_through(model, cache, tail, fold, args.step)
+                    runs.append((m, b, fold, ratio, cache.nbytes / fp16_end, logits))
             ref = full_reference(model, full_cache, tail)
             base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
-            for m, b, ratio, logits in runs:
+            for m, b, fold, ratio, end_ratio, logits in runs:
                 cur = nll(logits, targets)
                 rows.append({"domain": domain, "context": n, "method": m, "budget": "-" if b is None else b,
-                             "bytes/fp16": ratio, "ppl": math.exp(cur), "ppl increase %": 100 * (math.exp(cur - base) - 1),
+                             "fold": fold or "-", "bytes/fp16": ratio, "bytes/fp16 at end": end_ratio,
+                             "ppl": math.exp(cur), "ppl increase %": 100 * (math.exp(cur - base) - 1),
                              "KL": kl(ref, logits), "protocol": domain})
-            rows.append({"domain": domain, "context": n, "method": "full", "budget": 1.0, "bytes/fp16": 1.0,
+            rows.append({"domain": domain, "context": n, "method": "full", "budget": 1.0, "fold": "-", "bytes/fp16": 1.0,
+                         "bytes/fp16 at end": 1.0,
                          "ppl": math.exp(base), "ppl increase %": 0.0, "KL": 0.0, "protocol": domain})
     cols = ["domain", "context", "method", "budget", "bytes/fp16", "ppl", "ppl increase %", "KL"]
+    if args.fold != [0]:
+        cols[4:4] = ["fold"]
+        cols[6:6] = ["bytes/fp16 at end"]
     name = f"perplexity_{args.model}_{tag}"
     md = (f"# Perplexity through the compressed cache: {args.model} ({tag})\n\n{header(args)}\n"
           f"Prefill N tokens, compress, teacher-force the next {args.continuation}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")

@@ -191,6 +191,21 @@ def test_bf16_queries_on_gpu(D):
     check(layer, query(layer, 3, 3, torch.bfloat16))
 
 
+@pytest.mark.parametrize("split", [None, "64"])
+def test_folded_segments_merge_with_the_prefix_and_zone_c(monkeypatch, split):
+    """A layer with two folds (one fully evicted in some streams) and a window that hides the first."""
+    if split:
+        monkeypatch.setenv("RDKV_KERNEL_SPLIT", split)
+    layer = build(seed=13, B=2, H=2, T=300, D=64, n_c=0)
+    layer.folds = [build(seed=14, B=2, H=2, T=150, D=64, n_c=0, start=300),
+                   build(seed=15, B=2, H=2, T=90, D=64, n_c=0, start=450, empty_streams=1)]
+    layer.c_start = 540
+    g = torch.Generator().manual_seed(2)
+    layer.update(*(torch.randn(2, 2, 7, 64, generator=g).to(DEVICE) for _ in range(2)))
+    check(layer, query(layer, 3, 2, torch.float16))
+    check(layer, query(layer, 3, 2, torch.float32), window=200)
+
+
 def test_many_query_rows_tile_over_the_m_axis():
     layer = build(seed=10, B=1, H=1, T=150, D=64, n_c=20)
     check(layer, query(layer, 8, 12, torch.float32))  # 96 rows -> two 64-row blocks
