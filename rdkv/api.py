@@ -12,6 +12,7 @@ from . import quant
 from .attention import RDKVState, rdkv_attention
 from .distortion import MODELS, LayerTables, fixed_bytes, layer_tables
 from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
+from .calibrate import modelled_distortion
 from .errors import RDKVError
 from .fold import FoldPolicy
 from .trizone import PackSpec, TriZoneCache, pack_choice
@@ -253,9 +254,31 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
     return cfg, held, fp16, tables
 
 
+def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, cal, error: float,
+                      steps: int = 14) -> float:
+    """The smallest budget fraction (to 1/2^steps of the bracket) whose allocation's predicted KL <= error."""
+    target = cal.distortion_for(error)
+
+    def ok(b: float) -> bool:
+        try:
+            return modelled_distortion(tables, *allocate(tables, [b * f for f in fp16], scope)) <= target
+        except ValueError:  # below the smallest feasible budget
+            return False
+
+    lo, hi = 0.0, 1.0
+    if not ok(hi):
+        raise RDKVError(f"error={error} is below what the format reaches even at budget 1.0 (predicted KL "
+                        f"{cal.predict(modelled_distortion(tables, *allocate(tables, fp16, scope))):.3g}); raise error")
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
 @torch.no_grad()
 def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = "rdkv",
-             config: CompressConfig | None = None, fold: int | FoldPolicy | None = None, **overrides) -> TriZoneCache:
+             config: CompressConfig | None = None, fold: int | FoldPolicy | None = None,
+             error: float | None = None, **overrides) -> TriZoneCache:
     """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
     ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
 
@@ -267,27 +290,48 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     ``fold=R`` (or a :class:`rdkv.fold.FoldPolicy`) packs every R tokens generated after compression
     into the compressed zones at the same fraction of their fp16 bytes, so memory stays bounded over
     long generations; by default generated tokens stay in 16 bits (zone C).
+
+    ``error=eps`` instead of a budget: the fewest bytes whose KL divergence from the full cache's
+    next-token distribution is predicted to be at most ``eps``, by the map :func:`rdkv.calibrate`
+    fitted on this model (RDKV methods only).
     """
-    if budget is not None or method not in FIXED_RATE:
+    if error is not None:
+        if budget is not None:
+            raise RDKVError("give either budget= (bytes) or error= (predicted KL), not both")
+        if method not in RDKV_VARIANTS:
+            raise RDKVError(f"error= needs a distortion model; method {method!r} has none: use budget=")
+        if isinstance(error, bool) or not isinstance(error, (int, float)) or not error > 0 or math.isinf(error):
+            raise RDKVError(f"error must be a positive number (a KL in nats), got {error!r}")
+        cal = getattr(model, "_rdkv_calibration", None)
+        if cal is None:
+            raise RDKVError("error= needs a calibration of this model: call rdkv.calibrate(model, ids) once first")
+        if cal.method != method:
+            raise RDKVError(f"the model was calibrated for method {cal.method!r}, not {method!r}: calibrate with "
+                            f"rdkv.calibrate(model, ids, method={method!r})")
+    elif budget is not None or method not in FIXED_RATE:
         budget = _check_budget(budget)
     cfg, held, fp16, tables = _prepare(model, method, config, overrides)
     spec = cfg.spec
-    budgets = [budget * f if budget is not None else float("inf") for f in fp16]
+    distortion = None
     try:
         if tables is not None:
-            v_opt, k_opt = allocate(tables, budgets, cfg.scope)
+            if error is not None:
+                budget = _budget_for_error(tables, fp16, cfg.scope, cal, error)
+            v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope)
+            distortion = modelled_distortion(tables, v_opt, k_opt)
             perms = [t.perm for t in tables]
         else:
             fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
             inputs = [LayerInput(k, p, layer_sums(st, "window", start).mass, start, st.seen)
                       for st, k, v, start, p in held]
+            budgets = [budget * f if budget is not None else float("inf") for f in fp16]
             v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)
             perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]
     except ValueError as e:
         raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
     layers = [pack_choice(k, v, start, vo, ko, perm, spec, _dtype16(model), st.sliding_window, st.seen)
               for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms)]
-    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget)
+    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, distortion=distortion)
     if fold is not None:
         if not isinstance(fold, FoldPolicy):
             fold = FoldPolicy(every=fold, budget=budget if budget is not None else cache.nbytes / cache.fp16_bytes)

@@ -45,6 +45,7 @@ class LayerTables:
     perm: torch.Tensor  # [B, H, D] channel order; block j = perm[..., j*kb:(j+1)*kb]
     spec: PackSpec
     fixed: int  # bytes per sequence independent of the allocation (counts, permutation, block widths)
+    nq: torch.Tensor  # [B] weight queries the distortion is summed over
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""
@@ -117,4 +118,4 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     dk = dkc.gather(2, perm.unsqueeze(-1).expand_as(dkc)).unflatten(2, (-1, spec.k_block)).sum(3)
     rv = torch.tensor([quant.row_bytes(b, D, spec.v_group) + (pos_bytes(end) if b else 0) for b in quant.WIDTHS],
                       dtype=torch.float64)
-    return LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec))
+    return LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec), sums.nq)

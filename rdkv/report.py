@@ -11,7 +11,7 @@ COMPONENTS = ("codes", "scales", "zeros", "fp16 rows", "indices", "zone C")
 
 def component(name: str) -> str:
     """Which accounting bucket a TriZone tensor belongs to."""
-    if name in ("kc", "vc"):
+    if name in ("kc", "vc", "qwin"):  # qwin: the decode queries a fold policy keeps
         return "zone C"
     if name.endswith(".codes"):
         return "codes"
@@ -25,10 +25,11 @@ def component(name: str) -> str:
 
 
 def layer_components(layer) -> dict[str, int]:
-    """Bytes one TriZone layer holds, per accounting bucket."""
+    """Bytes one TriZone layer holds (its folds included), per accounting bucket."""
     comps = dict.fromkeys(COMPONENTS, 0)
-    for name, t in layer.t.items():
-        comps[component(name)] += t.numel() * t.element_size()
+    for seg in layer.segments():
+        for name, t in seg.t.items():
+            comps[component(name)] += t.numel() * t.element_size()
     return comps
 
 

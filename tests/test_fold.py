@@ -64,6 +64,7 @@ def test_fold_at_a_low_budget_charges_each_fold_its_fraction():
     zone_c = sum(l.t["kc"].nbytes + l.t["vc"].nbytes + l.t["qwin"].nbytes for l in cache.layers)
     folded = sum(fp16_bytes(l, 3 * 128) for l in cache.layers)
     assert cache.nbytes <= prefix + budget * folded + zone_c
+    assert sum(cache.report().components.values()) == cache.nbytes  # folds and kept queries are accounted
 
 
 def test_sliding_layers_drop_folds_no_query_can_see():

@@ -1,0 +1,107 @@
+"""An explicit error budget: ``compress(model, error=eps)`` asks for the fewest bytes whose predicted
+KL divergence from the full cache's next-token distribution is at most ``eps``.
+
+The solver's objective is a modelled distortion: the expected squared attention-output error summed
+over layers, per weight query (:func:`modelled_distortion`). It is not a KL. :func:`calibrate` maps
+one to the other on the model itself: it prefills a calibration text, compresses it at several
+budgets, teacher-forces the text's continuation through each cache, and fits
+``log KL = log a + p log D`` by least squares over those points. The fit is stored on the model and
+used by ``compress(error=...)``, which bisects the byte budget until the predicted KL of the allocation
+meets ``eps``. How well the map transfers to other texts and lengths is measured, not assumed:
+``scripts/eval_error_budget.py`` reports the rank correlation of D with measured KL and predicted vs
+measured KL at several ``eps``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RDKVError
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """KL ~= a * D^p, fitted on (modelled distortion, measured KL) pairs of one model."""
+
+    a: float
+    p: float
+    points: tuple[tuple[float, float], ...]  # (D, KL) the fit used
+    method: str = "rdkv"  # the compress method it was fitted for (other options should match too)
+
+    def predict(self, distortion: float) -> float:
+        return self.a * distortion**self.p if distortion > 0 else 0.0
+
+    def distortion_for(self, kl: float) -> float:
+        """The largest modelled distortion whose predicted KL is ``kl``."""
+        return (kl / self.a) ** (1 / self.p)
+
+
+def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
+    """Sum over layers of the solver's distortion for the chosen widths, per weight query and sequence."""
+    total = 0.0
+    for t, vo, ko in zip(tables, v_opt, k_opt):
+        dv = t.dv.gather(-1, vo.unsqueeze(-1)).squeeze(-1).masked_fill(~t.present, 0.0)
+        dk = t.dk.gather(-1, ko.unsqueeze(-1)).squeeze(-1)
+        total += float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean())
+    return total
+
+
+def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
+    """Least-squares line through (log D, log KL); needs two points with distinct D and KL > 0."""
+    pts = [(d, k) for d, k in points if d > 0 and k > 0]
+    if len({d for d, _ in pts}) < 2:
+        raise RDKVError("calibration needs at least two budgets with different, non-zero distortion and KL; "
+                        "use a longer calibration text or smaller budgets")
+    x = torch.tensor([math.log(d) for d, _ in pts], dtype=torch.float64)
+    y = torch.tensor([math.log(k) for _, k in pts], dtype=torch.float64)
+    p = float(((x - x.mean()) * (y - y.mean())).sum() / (x - x.mean()).square().sum())
+    if not p > 0:
+        raise RDKVError(f"calibration found KL falling as modelled distortion grows (slope {p:.3g}): the "
+                        "distortion model does not track this model's output; use budget= instead of error=")
+    return Calibration(math.exp(float(y.mean()) - p * float(x.mean())), p, tuple(pts), method)
+
+
+@torch.no_grad()
+def calibrate(model: torch.nn.Module, ids: torch.Tensor, prefix: int | None = None,
+              budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "rdkv", **options) -> Calibration:
+    """Fit the distortion-to-KL map on ``ids`` [1, T] (the first ``prefix`` tokens, default 3/4, are
+    compressed; the rest are teacher-forced) and store it on ``model`` for ``compress(error=...)``.
+
+    The attached model's record of the user's last prefill is kept: it is restored afterwards.
+    """
+    from .api import _state, compress
+
+    state = getattr(model, "_rdkv_state", None)
+    if state is None:
+        raise RDKVError("model is not attached: call rdkv.attach(model) before rdkv.calibrate")
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise RDKVError(f"calibration ids must be [1, T], got shape {tuple(ids.shape)}")
+    prefix = prefix or ids.shape[1] * 3 // 4
+    if not 0 < prefix < ids.shape[1] - 1:
+        raise RDKVError(f"prefix={prefix} must leave at least two of the {ids.shape[1]} calibration tokens to score")
+    saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
+    try:
+        full = model(ids[:, :prefix], use_cache=True, logits_to_keep=1).past_key_values
+        _state(model)
+        points = []
+        for b in budgets:
+            try:
+                cache = compress(model, b, method=method, **options)
+            except RDKVError as e:
+                if "too small" not in str(e):
+                    raise
+                continue
+            got = model(ids[:, prefix:], past_key_values=cache).logits[0].float().log_softmax(-1)
+            points.append((cache.distortion, got))
+        ref = model(ids[:, prefix:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
+        pairs = [(d, float((ref.exp() * (ref - got)).sum(-1).mean())) for d, got in points]
+    finally:
+        state.layers.clear()
+        state.layers.update(saved[0])
+        state.ids, state.hidden, state.surprisal = saved[1:]
+    cal = fit(pairs, method)
+    model._rdkv_calibration = cal
+    return cal
