@@ -77,13 +77,6 @@ def _k_pairs(k_bits: torch.Tensor, n: torch.Tensor, width: int, k_group: int):
     return s[pair], blk[pair], pair, i, gid, len(s), int(groups.sum())
 
 
-def _group_minmax(x: torch.Tensor, gid: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = gid.unsqueeze(-1).expand_as(x)
-    lo = x.new_full((groups, x.shape[-1]), float("inf")).scatter_reduce(0, idx, x, "amin")
-    hi = x.new_full((groups, x.shape[-1]), float("-inf")).scatter_reduce(0, idx, x, "amax")
-    return lo, hi
-
-
 class TriZoneLayer(CacheLayerMixin):
     """One layer of a compressed cache. ``update`` appends to zone C and returns the layer itself,
     which the rdkv attention function recognises and decodes."""
@@ -251,12 +244,10 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
         if w == 16:
             t["v16"] = rows.to(dtype16)
             continue
-        codes, scale, zero = quant.quantize(rows.unflatten(-1, (-1, spec.v_group)), w)
-        t[f"v{w}.codes"] = quant.pack(codes.flatten(-2), w)
-        t[f"v{w}.scale"], t[f"v{w}.zero"] = scale, zero
+        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quant.quantize_pack(rows, w, spec.v_group)
     kp = k[s_flat, t_flat].gather(1, k_perm.long()[s_flat])  # [N, D] channels permuted
     for w in quant.WIDTHS:
-        ps, pb, pair, pi, gid, npairs, groups = _k_pairs(k_bits, n, w, spec.k_group)
+        ps, pb, pair, pi, _, npairs, _ = _k_pairs(k_bits, n, w, spec.k_group)
         rows = kp.unflatten(1, (-1, kb))[(torch.cumsum(n, 0) - n)[ps] + pi, pb]  # [R, kb]
         if w == 0:
             mean = rows.new_zeros(npairs, kb).index_add_(0, pair, rows)
@@ -265,11 +256,10 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
         elif w == 16:
             t["k16"] = rows.to(dtype16)
         else:
-            lo, hi = _group_minmax(rows, gid, groups)
-            scale, zero = quant.scale_zero(lo, hi, w)
-            codes = quant.codes(rows, scale[gid], zero[gid], w)
-            t[f"k{w}.codes"] = quant.pack(codes, w)
-            t[f"k{w}.scale"], t[f"k{w}.zero"] = scale, zero
+            # groups of k_group tokens per channel, restarting at each (block, stream) pair
+            pair_stream = torch.nonzero(k_bits.T == w, as_tuple=True)[1]  # _k_pairs' pair order
+            t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"] = quant.quantize_pack(
+                rows, w, spec.k_group, axis=0, segments=n[pair_stream])
     t["kc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
     t["vc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
     return TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=prefix_len, spec=spec,

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Compile every variant of the TriZone decode kernel for sm_90 and sm_80 without a GPU.
+"""Compile every variant of the Triton kernels (TriZone decode; compress side: quantize + pack, token
+weights) for sm_90 and sm_80 without a GPU.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline down to
 a cubin with the ptxas that ships in the triton wheel (triton/backends/nvidia/bin/ptxas; no CUDA driver
@@ -10,6 +11,7 @@ needs more shared memory than the device has (228 KB per SM on sm_90, 164 KB on 
 
     python scripts/compile_check.py            # every variant, both archs
     python scripts/compile_check.py --quick    # one variant per head_dim on sm_90 (the CI test)
+    python scripts/compile_check.py --family compress   # only kernels/quantize_pack.py and token_weights.py
 """
 from __future__ import annotations
 
@@ -156,12 +158,98 @@ def compile_one(v: dict, arch: int) -> dict:
                 secs=secs, **ru)
 
 
+# --- compress-side kernels: kernels/quantize_pack.py, kernels/token_weights.py ------------------------
+COMPRESS_KERNELS = ("qrows", "qcols", "tw_rows", "tw_cols")
+
+
+def compress_variants(quick: bool) -> list[dict]:
+    """Quantize + pack (bits, group, channels C for the K layout, input dtype) and token-weight
+    (head_dim, dtype, query rows G*M per KV head, flags w/m/s) variants the launchers can produce."""
+    none = (False, False, False)
+    if quick:
+        return [dict(kernel="qrows", bits=2, group=128, dtype="fp16"),
+                dict(kernel="qcols", bits=2, group=128, C=16, dtype="fp16"),
+                dict(kernel="tw_rows", D=128, dtype="fp16", rows=256, flags=none),
+                dict(kernel="tw_cols", D=128, dtype="fp16", rows=256, flags=none)]
+    out = [dict(kernel="qrows", bits=b, group=g, dtype="fp16") for b, g in itertools.product((2, 4, 8), (32, 64, 128))]
+    out += [dict(kernel="qrows", bits=2, group=128, dtype="fp32"), dict(kernel="qrows", bits=2, group=128, dtype="bf16"),
+            dict(kernel="qrows", bits=8, group=1024, dtype="fp32")]  # the largest row tile the launcher allows
+    out += [dict(kernel="qcols", bits=b, group=g, C=C, dtype="fp16")
+            for b, g, C in itertools.product((2, 4, 8), (7, 128), (16, 128))]
+    out.append(dict(kernel="qcols", bits=2, group=128, C=128, dtype="fp32"))
+    for kern, D in itertools.product(("tw_rows", "tw_cols"), (64, 128, 256)):
+        out += [dict(kernel=kern, D=D, dtype="fp16", rows=16, flags=none),  # one 16-row block (e.g. G=1, M=16)
+                dict(kernel=kern, D=D, dtype="fp16", rows=256, flags=none),  # 64-row blocks (window 64 x G=4)
+                dict(kernel=kern, D=D, dtype="bf16", rows=256, flags=none),
+                dict(kernel=kern, D=D, dtype="fp32", rows=256, flags=none),
+                dict(kernel=kern, D=D, dtype="fp16", rows=256, flags=(True, True, True))]
+    return out
+
+
+def compile_compress(v: dict, arch: int) -> dict:
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rdkv.kernels import quantize_pack as qp
+    from rdkv.kernels import token_weights as tw
+
+    kern, xt = v["kernel"], PTR_DTYPES[v["dtype"]]
+    if kern == "qrows":
+        bytes_pad, block_r, warps = qp.rows_config(v["group"], v["bits"], 1 << 20)
+        fn, stages = qp._quantize_rows, 1
+        consts = dict(GROUP=v["group"], BYTES_PAD=bytes_pad, BITS=v["bits"], BLOCK_R=block_r)
+        ptrs = dict(x_ptr=xt, out_ptr="*u8", scale_ptr="*fp16", zero_ptr="*fp16")
+        tile = f"BR{block_r} BY{bytes_pad}"
+    elif kern == "qcols":
+        block_r, block_b, warps = qp.cols_config(v["group"], v["bits"], v["C"])
+        fn, stages = qp._quantize_cols, 1
+        consts = dict(BITS=v["bits"], BLOCK_R=block_r, BLOCK_B=block_b)
+        ptrs = dict(x_ptr=xt, out_ptr="*u8", scale_ptr="*fp16", zero_ptr="*fp16", gstart_ptr="*i64", glen_ptr="*i32")
+        tile = f"BR{block_r} BB{block_b}"
+    else:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
+        D = v["D"]
+        block_m, block_n, warps = tw.launch_config(D, v["rows"], dtype)
+        window, mask, softcap = v["flags"]
+        fn, stages = (tw._tw_rows if kern == "tw_rows" else tw._tw_cols), 1
+        consts = dict(D=D, D_PAD=max(16, tw._pow2(D)), BLOCK_M=block_m, BLOCK_N=block_n,
+                      DOT={"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]],
+                      PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap)
+        ptrs = dict(q_ptr=xt, k_ptr=xt, qpos_ptr="*i32", kpos_ptr="*i32", mask_ptr="*u8", mrow_ptr="*fp32",
+                    lrow_ptr="*fp32", q2_ptr="*fp32", mass_ptr="*fp32", mass2_ptr="*fp32", scaling="fp32", softcap="fp32")
+        tile = f"BM{block_m} BN{block_n}"
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
+    t0 = time.time()
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    secs = time.time() - t0
+    return dict(v, arch=arch, tile=tile, warps=warps, smem=k.metadata.shared, secs=secs, **resource_usage(k, arch))
+
+
+def compress_shape(v: dict) -> str:
+    if v["kernel"] in ("qrows", "qcols"):
+        return f"b{v['bits']} g{v['group']}" + (f" C{v['C']}" if v["kernel"] == "qcols" else "")
+    return f"D{v['D']} rows{v['rows']}"
+
+
 def _job(args):
     v, arch = args
     try:
-        return compile_one(v, arch)
+        return compile_compress(v, arch) if v.get("kernel") in COMPRESS_KERNELS else compile_one(v, arch)
     except Exception as e:  # report every failure in the table, then fail
         return dict(v, arch=arch, error=f"{type(e).__name__}: {e}".splitlines()[0][:200])
+
+
+def problems_of(r: dict) -> list[str]:
+    problems = []
+    if r["spill_st"] or r["spill_ld"]:
+        problems.append("spills")
+    if r["smem"] > SMEM_LIMIT[r["arch"]]:
+        problems.append(f"smem > {SMEM_LIMIT[r['arch']] // 1024} KB")
+    return problems
 
 
 def main(argv=None) -> int:
@@ -170,10 +258,13 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, action="append", help="80 and/or 90 (default both; --quick: 90)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", help="comma-separated filters key=value on variants, e.g. dtype=fp32,D=256")
+    ap.add_argument("--family", choices=("all", "decode", "compress"), default="all",
+                    help="decode: kernels/trizone_decode.py; compress: kernels/quantize_pack.py and token_weights.py")
     a = ap.parse_args(argv)
     archs = a.arch or ([90] if a.quick else [90, 80])
     want = dict(kv.split("=") for kv in a.only.split(",")) if a.only else {}
-    jobs = [(v, arch) for arch in archs for v in variants(a.quick)
+    pool = (variants(a.quick) if a.family != "compress" else []) + (compress_variants(a.quick) if a.family != "decode" else [])
+    jobs = [(v, arch) for arch in archs for v in pool
             if all(str(v.get(k, "attn" if k == "kernel" else None)) == x for k, x in want.items())]
     if a.jobs > 1:
         with ProcessPoolExecutor(a.jobs) as ex:
@@ -183,8 +274,11 @@ def main(argv=None) -> int:
     bad = 0
     head = f"{'kernel':>5} {'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
            f"{'regs':>4} {'spill':>7} {'stack':>5} {'smem KB':>7} {'secs':>5}  status"
-    print(head)
-    for r in rows:
+    decode_rows = [r for r in rows if r.get("kernel") not in COMPRESS_KERNELS]
+    compress_rows = [r for r in rows if r.get("kernel") in COMPRESS_KERNELS]
+    if decode_rows:
+        print(head)
+    for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
         name = "merge" if r.get("kernel") == "merge" else "attn"
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
@@ -192,15 +286,27 @@ def main(argv=None) -> int:
             bad += 1
             print(f"{lead}  FAIL {r['error']}")
             continue
-        problems = []
-        if r["spill_st"] or r["spill_ld"]:
-            problems.append("spills")
-        if r["smem"] > SMEM_LIMIT[r["arch"]]:
-            problems.append(f"smem > {SMEM_LIMIT[r['arch']] // 1024} KB")
+        problems = problems_of(r)
         bad += bool(problems)
         print(f"{lead} {r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5} {r['regs']:>4} "
               f"{r['spill_st']:>3}/{r['spill_ld']:<3} {r['stack']:>5} {r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  "
               f"{'; '.join(problems) or 'ok'}")
+    if compress_rows:
+        if decode_rows:
+            print()
+        print(f"{'kernel':>7} {'arch':>5} {'dtype':>5} {'shape':>14} {'flags':>5} {'tile':>10} {'warps':>5} {'regs':>4} "
+              f"{'spill':>7} {'stack':>5} {'smem KB':>7} {'secs':>5}  status")
+    for r in compress_rows:
+        flags = "".join(c if f else "-" for c, f in zip("wms", r.get("flags", (False,) * 3)))
+        lead = f"{r['kernel']:>7} sm_{r['arch']:<2} {r['dtype']:>5} {compress_shape(r):>14} {flags:>5}"
+        if "error" in r:
+            bad += 1
+            print(f"{lead}  FAIL {r['error']}")
+            continue
+        problems = problems_of(r)
+        bad += bool(problems)
+        print(f"{lead} {r['tile']:>10} {r['warps']:>5} {r['regs']:>4} {r['spill_st']:>3}/{r['spill_ld']:<3} "
+              f"{r['stack']:>5} {r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  {'; '.join(problems) or 'ok'}")
     print(f"{len(rows)} variants, {bad} failing")
     return 1 if bad else 0
 

@@ -2,7 +2,7 @@
 # GPU check for the TriZone decode kernel, sized for a short GPU loan (about 5 minutes on an H100/H200):
 #   1. environment facts (nvidia-smi, torch/triton versions);
 #   2. the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: same cases as the interpreter run,
-#      plus bf16 queries, which the interpreter cannot check);
+#      plus bf16 queries, which the interpreter cannot check), decode and compress side;
 #   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%).
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
 # bench.txt, bench_decode.md, bench_decode.json. Exit status: non-zero if the tests or the benchmark failed.
@@ -52,7 +52,7 @@ cat "$OUT/env.txt"
 status=0
 echo "== kernel tests on CUDA =="
 t0=$(date +%s)
-RDKV_TEST_DEVICE=cuda timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_decode.py 2>&1 | tee "$OUT/tests.txt"
+RDKV_TEST_DEVICE=cuda timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
 

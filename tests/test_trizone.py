@@ -57,7 +57,7 @@ def test_nbytes_is_what_the_allocator_charges():
     present = torch.ones(B, H, T, dtype=torch.bool)
     pos_bytes = 4  # positions past 32767 need int32
     rv = torch.tensor([quant.row_bytes(w, D, SPEC.v_group) + (pos_bytes if w else 0) for w in quant.WIDTHS], dtype=torch.float64)
-    tables = LayerTables(None, rv, present, None, None, SPEC, fixed_bytes(H, D, SPEC))
+    tables = LayerTables(None, rv, present, None, None, SPEC, fixed_bytes(H, D, SPEC), torch.ones(B))
     idx = {w: i for i, w in enumerate(quant.WIDTHS)}
     v_cost = rv[vw.flatten().apply_(idx.get)].sum()
     n = (vw > 0).sum(-1)  # [B, H]
