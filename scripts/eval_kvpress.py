@@ -1,0 +1,210 @@
+"""NVIDIA kvpress's own presses next to rdkv on the retrieval probes, charged for the bytes held.
+
+    /tmp/v52/bin/python scripts/eval_kvpress.py --quick
+    /tmp/v52/bin/python scripts/eval_kvpress.py --contexts 1000 2000 --budgets 0.025 0.05 0.1 0.25 0.5
+
+kvpress 0.5.5 needs transformers < 5.3, so this runs in an environment with transformers 5.2.x, kvpress
+and rdkv (editable) installed side by side. Probes and protocols are those of eval_retrieval.py:
+``agnostic`` prefills the context and teacher-forces question + answer through the cache; ``aware``
+prefills context + question[:-1] and teacher-forces the last question token + answer.
+
+Per probe, rdkv goes first: ``rdkv.attach``, one prefill, ``rdkv.compress`` per method and budget (rdkv
+and our re-implementations of snapkv, adakv, ...), each charged ``cache.nbytes / cache.fp16_bytes``.
+The model is then detached (kvpress wraps the attention functions transformers knows at import time;
+rdkv's own attention is registered later and never sees kvpress's head masks) and every press runs its
+own prefill inside ``with press(model)`` on a fresh DynamicCache, with compression_ratio = 1 - budget
+(nudged so that floor(T * budget) tokens are kept). The tail is then fed with no press active and with
+explicit position ids (an evicted cache is shorter than the positions it covers), as kvpress's pipeline
+does. A press is charged what its cache holds: the K and V tensors' elements at 2 bytes each (the fp16
+baseline), over the fp16 bytes of the uncompressed cache of the same prefix. AdaKV keeps every tensor
+whole and hides evicted entries behind fake keys at decode time, so it holds ~1.0; the fraction it would
+hold if its ragged selection were stored compactly is printed separately ("ideal ragged") and is not
+what it holds. rdkv's eviction baselines also pay for token positions and per-head metadata, so at equal
+bytes they keep slightly fewer tokens than a press (column "tokens kept").
+
+KL is measured from the uncompressed cache run through the plain (detached) model; the largest logit
+gap between that reference and the same cache run through rdkv's attention is recorded below the table.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from collections import defaultdict
+from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
+import rdkv  # noqa: E402
+from common import answer_scores, forward, full_reference, header, kl, parser, table, write  # noqa: E402
+
+PRESSES = {
+    "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
+    "adakv": lambda r: kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=r)),
+    "expected": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
+    "streaming": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
+    "knorm": lambda r: kvpress.KnormPress(compression_ratio=r),
+    "tova": lambda r: kvpress.TOVAPress(compression_ratio=r),
+}
+
+
+def attention_modules(model) -> list:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def clear_head_masks(model) -> None:
+    """Forget AdaKV's masked entries so no later forward on another cache inherits them."""
+    for m in attention_modules(model):
+        if getattr(m, "masked_key_indices", None) is not None:
+            m.masked_key_indices = None
+
+
+def held_bytes(cache: DynamicCache) -> int:
+    """K and V elements the cache holds, at 2 bytes each (fp16)."""
+    return sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in cache.layers)
+
+
+def fed(model, cache, tail: torch.Tensor, start: int) -> torch.Tensor:
+    """Logits [L, V] of teacher-forcing ``tail`` through ``cache`` at positions start.. (float32)."""
+    pos = torch.arange(start, start + tail.shape[1]).unsqueeze(0)
+    return model(tail, past_key_values=cache, position_ids=pos).logits[0].float()
+
+
+def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch.Tensor, fp16: int) -> dict:
+    """One press at one budget: prefill under the press, feed the tail without it."""
+    T = prefix.shape[1]
+    ratio = min(max(1.0 - (budget + 1e-9), 0.0), 1.0 - 1e-9)  # keeps floor(T * budget) tokens per head
+    press = PRESSES[name](ratio)
+    clear_head_masks(model)
+    cache = DynamicCache()
+    with press(model):
+        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    held = held_bytes(cache)
+    kept = sum(layer.keys.shape[2] for layer in cache.layers) / (len(cache.layers) * T)
+    ideal = None
+    masks = [getattr(m, "masked_key_indices", None) for m in attention_modules(model)]
+    if any(x is not None for x in masks):  # AdaKV: entries hidden at decode, still held
+        heads = cache.layers[0].keys.shape[1]
+        hidden = sum(len(x[0]) for x in masks if x is not None)
+        ideal = 1.0 - hidden / (len(cache.layers) * heads * T)
+        kept = ideal
+    logits = fed(model, cache, tail, T)
+    clear_head_masks(model)
+    return dict(ratio=held / fp16, ideal=ideal, kept=kept, logits=logits)
+
+
+def rdkv_runs(model, methods: list[str], budgets: list[float], tail: torch.Tensor):
+    """(method, budget, bytes/fp16, tokens kept, logits) for every rdkv method on the last prefill."""
+    for m in methods:
+        for b in budgets:
+            try:
+                c = rdkv.compress(model, b, method=m)
+            except rdkv.RDKVError as e:
+                print(f"  skip {m} @ {b}: {e}")
+                continue
+            ratio = c.nbytes / c.fp16_bytes
+            kept = sum(int(layer.kept.sum()) for layer in c.layers)
+            kept /= sum(layer.batch * layer.heads * (layer.prefix_len - layer.start) for layer in c.layers)
+            yield m, b, ratio, kept, forward(model, c, tail)
+
+
+def main() -> None:
+    ap = parser(__doc__, [0.025, 0.05, 0.1, 0.25, 0.5], [1000, 2000])
+    ap.set_defaults(methods=["rdkv", "snapkv", "adakv", "streaming", "knorm"])
+    ap.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES),
+                    help="kvpress presses to run (default: all)")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
+    if any(m in ("rdkv-all", "rdkv-paper") for m in args.methods):
+        ap.error("rdkv-all / rdkv-paper need attach(all_queries=True); not run here")
+    tag = args.tag or ("quick" if args.quick else "full")
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    enc = lambda s: tok(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+
+    raw = defaultdict(list)  # (protocol, source, method, budget) -> per-probe dicts
+    ref_gap = 0.0  # largest |logit| gap between the plain and the rdkv-attached full-cache reference
+    jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
+    bar = tqdm(total=len(jobs) * (1 + len(args.presses) * len(args.budgets)), desc="prefills")
+    for n, depth, protocol in jobs:
+        probe = rdkv.models.retrieval_prompt(n, depth, tok, seed=args.seed)
+        ctx = tok(probe["context"], return_tensors="pt").input_ids
+        q, ans = enc(probe["question"]), enc(probe["answer"])
+        if protocol == "agnostic":
+            prefix, tail = ctx, torch.cat([q, ans], 1)
+        else:
+            prefix, tail = torch.cat([ctx, q[:, :-1]], 1), torch.cat([q[:, -1:], ans], 1)
+        T = prefix.shape[1]
+
+        # rdkv and its re-implemented baselines: one attached prefill, many compressions
+        clear_head_masks(model)
+        rdkv.attach(model)
+        full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        fp16 = held_bytes(full_cache)
+        runs = [("rdkv", *r) for r in rdkv_runs(model, args.methods, args.budgets, tail)]
+        ref_attached = full_reference(model, full_cache, tail)
+        rdkv.release(model)
+        rdkv.detach(model)
+        bar.update()
+
+        # the plain model's reference, through the same feeding path the presses use
+        ref = fed(model, copy.deepcopy(full_cache), tail, T)
+        ref_gap = max(ref_gap, float((ref - ref_attached).abs().max()))
+        del full_cache
+        runs.append(("-", "full", 1.0, 1.0, 1.0, ref))
+        extra = {}
+        for name in args.presses:
+            for b in args.budgets:
+                bar.set_postfix_str(f"{protocol} d={depth} {name}@{b}")
+                r = run_press(model, name, b, prefix, tail, fp16)
+                runs.append(("kvpress", name, b, r["ratio"], r["kept"], r["logits"]))
+                extra["kvpress", name, b] = r["ideal"]
+                bar.update()
+
+        for source, m, b, ratio, kept, logits in runs:
+            nll, em = answer_scores(logits, tail, ans.shape[1])
+            raw[protocol, source, m, b].append(dict(ratio=ratio, kept=kept, nll=nll, em=em, kl=kl(ref, logits),
+                                                    depth=depth, n=n, ideal=extra.get((source, m, b))))
+    bar.close()
+
+    rows = []
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    for (protocol, source, m, b), rs in raw.items():
+        label = m if source != "kvpress" else f"kvpress:{m}"
+        ideals = [r["ideal"] for r in rs if r["ideal"] is not None]
+        rows.append({"protocol": protocol, "method": label, "source": source, "budget": b,
+                     "bytes/fp16": mean(rs, "ratio"), "tokens kept": mean(rs, "kept"),
+                     "ideal ragged (not held)": sum(ideals) / len(ideals) if ideals else "-",
+                     "EM": mean(rs, "em"), "NLL": mean(rs, "nll"), "KL": mean(rs, "kl"),
+                     "EM by depth": " ".join(str(sum(r["em"] for r in rs if r["depth"] == d)) for d in args.depths),
+                     "probes": len(rs)})
+    order = {"-": 0, "rdkv": 1, "kvpress": 2}
+    rows.sort(key=lambda r: (r["protocol"], order[r["source"]], r["method"], r["budget"]))
+    cols = ["protocol", "method", "budget", "bytes/fp16", "tokens kept", "ideal ragged (not held)", "EM", "NLL",
+            "KL", "EM by depth", "probes"]
+    name = f"kvpress_{args.model}_{tag}"
+    md = (f"# kvpress presses and rdkv on the retrieval probes: {args.model} ({tag})\n\n"
+          f"{header(args).rstrip()}, kvpress {version('kvpress')}\n\n"
+          f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
+          f"contexts), seed {args.seed}. Rows `kvpress:*` are NVIDIA kvpress's presses (prefill under the press, "
+          f"tail fed without it); the other rows are rdkv's methods (`snapkv`, `adakv`, `streaming`, `knorm` are "
+          f"rdkv's re-implementations, packed and charged by rdkv). `bytes/fp16` is what each cache holds after "
+          f"prefill over the uncompressed fp16 cache; for kvpress that is its K/V tensors at 2 bytes per element. "
+          f"`tokens kept` is the mean fraction of (layer, head, position) entries kept; for `kvpress:adakv` it is "
+          f"the fraction not masked, equal to `ideal ragged (not held)`: AdaKV holds the full cache and masks "
+          f"evicted entries with fake keys at decode.\n\n{table(rows, cols)}\n\n"
+          f"Reference check: the full cache's tail logits through the plain model and through rdkv's attention "
+          f"differ by at most {ref_gap:.2e}.\n\n![plot]({name}.png)\n")
+    write(name, md, rows, ["EM", "KL"], args.model)
+
+
+if __name__ == "__main__":
+    main()
