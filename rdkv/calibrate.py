@@ -3,11 +3,12 @@ KL divergence from the full cache's next-token distribution is at most ``eps``.
 
 The solver's objective is a modelled distortion: the expected squared attention-output error summed
 over layers, per weight query (:func:`modelled_distortion`). It is not a KL. :func:`calibrate` maps
-one to the other on the model itself: it prefills a calibration text, compresses it at several
-budgets, teacher-forces the text's continuation through each cache, and fits
-``log KL = log a + p log D`` by least squares over those points. The fit is stored on the model and
-used by ``compress(error=...)``, which bisects the byte budget until the predicted KL of the allocation
-meets ``eps``. How well the map transfers to other texts and lengths is measured, not assumed:
+one to the other on the model itself: it prefills each calibration text, compresses it at several
+budgets, teacher-forces the text's continuation through each cache, and fits ``log KL = log a + p log D``:
+the slope p by least squares over all points, the intercept conservatively, so that no calibration point
+lies above the line (an error *budget* should hold, not hold on average). The fit is stored on the model
+and used by ``compress(error=...)``, which bisects the byte budget until the predicted KL of the
+allocation meets ``eps``. How well the map transfers to other texts and lengths is measured, not assumed:
 ``scripts/eval_error_budget.py`` reports the rank correlation of D with measured KL and predicted vs
 measured KL at several ``eps``.
 """
@@ -50,7 +51,8 @@ def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[tor
 
 
 def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
-    """Least-squares line through (log D, log KL); needs two points with distinct D and KL > 0."""
+    """Line through (log D, log KL): least-squares slope, intercept raised until every point is on or below
+    it. Needs two points with distinct D and KL > 0."""
     pts = [(d, k) for d, k in points if d > 0 and k > 0]
     if len({d for d, _ in pts}) < 2:
         raise RDKVError("calibration needs at least two budgets with different, non-zero distortion and KL; "
@@ -61,43 +63,47 @@ def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
     if not p > 0:
         raise RDKVError(f"calibration found KL falling as modelled distortion grows (slope {p:.3g}): the "
                         "distortion model does not track this model's output; use budget= instead of error=")
-    return Calibration(math.exp(float(y.mean()) - p * float(x.mean())), p, tuple(pts), method)
+    return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method)
 
 
 @torch.no_grad()
-def calibrate(model: torch.nn.Module, ids: torch.Tensor, prefix: int | None = None,
+def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
               budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "rdkv", **options) -> Calibration:
-    """Fit the distortion-to-KL map on ``ids`` [1, T] (the first ``prefix`` tokens, default 3/4, are
-    compressed; the rest are teacher-forced) and store it on ``model`` for ``compress(error=...)``.
+    """Fit the distortion-to-KL map on calibration token ids (one [1, T] tensor or a list of them; the first
+    ``prefix`` fraction of each is compressed, the rest teacher-forced) and store it on ``model`` for
+    ``compress(error=...)``. Texts unlike the ones you will compress make the bound more robust.
 
     The attached model's record of the user's last prefill is kept: it is restored afterwards.
     """
-    from .api import _state, compress
+    from .api import compress
 
     state = getattr(model, "_rdkv_state", None)
     if state is None:
         raise RDKVError("model is not attached: call rdkv.attach(model) before rdkv.calibrate")
-    if ids.dim() != 2 or ids.shape[0] != 1:
-        raise RDKVError(f"calibration ids must be [1, T], got shape {tuple(ids.shape)}")
-    prefix = prefix or ids.shape[1] * 3 // 4
-    if not 0 < prefix < ids.shape[1] - 1:
-        raise RDKVError(f"prefix={prefix} must leave at least two of the {ids.shape[1]} calibration tokens to score")
+    texts = [texts] if isinstance(texts, torch.Tensor) else list(texts)
+    for ids in texts:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 8:
+            raise RDKVError(f"calibration texts must be token ids of shape [1, T >= 8], got "
+                            f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if not 0 < prefix < 1:
+        raise RDKVError(f"prefix must be a fraction in (0, 1), got {prefix}")
     saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
+    pairs = []
     try:
-        full = model(ids[:, :prefix], use_cache=True, logits_to_keep=1).past_key_values
-        _state(model)
-        points = []
-        for b in budgets:
-            try:
-                cache = compress(model, b, method=method, **options)
-            except RDKVError as e:
-                if "too small" not in str(e):
-                    raise
-                continue
-            got = model(ids[:, prefix:], past_key_values=cache).logits[0].float().log_softmax(-1)
-            points.append((cache.distortion, got))
-        ref = model(ids[:, prefix:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
-        pairs = [(d, float((ref.exp() * (ref - got)).sum(-1).mean())) for d, got in points]
+        for ids in texts:
+            n = int(ids.shape[1] * prefix)
+            full = model(ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values
+            points = []
+            for b in budgets:
+                try:
+                    cache = compress(model, b, method=method, **options)
+                except RDKVError as e:
+                    if "too small" not in str(e):
+                        raise
+                    continue
+                points.append((cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
+            ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
+            pairs += [(d, float((ref.exp() * (ref - got)).sum(-1).mean())) for d, got in points]
     finally:
         state.layers.clear()
         state.layers.update(saved[0])

@@ -15,13 +15,16 @@ def calibrated():
     cal_ids, ids = torch.randint(0, 96, (1, 300), generator=g), torch.randint(0, 96, (1, 200), generator=g)
     model(ids, use_cache=True)
     before = rdkv.compress(model, 0.2, **SMALL)
-    cal = rdkv.calibrate(model, cal_ids, **SMALL)
+    cal = rdkv.calibrate(model, [cal_ids, cal_ids.flip(1)], **SMALL)
     return model, cal, before
 
 
 def test_fit_recovers_a_power_law():
     cal = fit([(d, 0.3 * d**1.5) for d in (0.1, 1.0, 4.0, 20.0)])
     assert cal.a == pytest.approx(0.3) and cal.p == pytest.approx(1.5)
+    noisy = fit([(1.0, 1.0), (2.0, 4.0), (4.0, 4.0), (8.0, 16.0)])  # conservative: no point above the line
+    assert all(kl <= noisy.predict(d) * (1 + 1e-9) for d, kl in noisy.points)
+    assert any(kl == pytest.approx(noisy.predict(d)) for d, kl in noisy.points)
     assert cal.distortion_for(cal.predict(2.0)) == pytest.approx(2.0)
     with pytest.raises(rdkv.RDKVError, match="falling"):
         fit([(1.0, 0.5), (2.0, 0.1)])
@@ -64,3 +67,14 @@ def test_error_budget_needs_a_calibration():
     model(torch.randint(0, 96, (1, 40)), use_cache=True)
     with pytest.raises(rdkv.RDKVError, match="rdkv.calibrate"):
         rdkv.compress(model, error=0.1, **SMALL)
+
+
+@pytest.mark.parametrize("texts,kwargs,match", [
+    (torch.zeros(2, 40, dtype=torch.long), {}, "shape \\[1, T >= 8\\]"), ([torch.zeros(1, 4, dtype=torch.long)], {}, "T >= 8"),
+    (torch.zeros(1, 40, dtype=torch.long), dict(prefix=1.0), "prefix"),
+])
+def test_calibrate_bad_input(calibrated, texts, kwargs, match):
+    model, cal, _ = calibrated
+    with pytest.raises(rdkv.RDKVError, match=match):
+        rdkv.calibrate(model, texts, **kwargs, **SMALL)
+    assert model._rdkv_calibration is cal  # the previous calibration stays
