@@ -36,8 +36,9 @@ class Calibration:
         return self.a * distortion**self.p if distortion > 0 else 0.0
 
     def distortion_for(self, kl: float) -> float:
-        """The largest modelled distortion whose predicted KL is ``kl``."""
-        return (kl / self.a) ** (1 / self.p)
+        """The largest modelled distortion whose predicted KL is ``kl``, but never beyond the most distorted
+        calibration point: the fit is not extrapolated to allocations coarser than any it has seen."""
+        return min((kl / self.a) ** (1 / self.p), max(d for d, _ in self.points))
 
 
 def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:

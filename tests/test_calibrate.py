@@ -26,6 +26,7 @@ def test_fit_recovers_a_power_law():
     assert all(kl <= noisy.predict(d) * (1 + 1e-9) for d, kl in noisy.points)
     assert any(kl == pytest.approx(noisy.predict(d)) for d, kl in noisy.points)
     assert cal.distortion_for(cal.predict(2.0)) == pytest.approx(2.0)
+    assert cal.distortion_for(cal.predict(50.0)) == 20.0  # no extrapolation past the calibrated range
     with pytest.raises(rdkv.RDKVError, match="falling"):
         fit([(1.0, 0.5), (2.0, 0.1)])
     with pytest.raises(rdkv.RDKVError, match="at least two"):
