@@ -28,7 +28,8 @@ class CompressConfig:
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
-    scope: str = "global"  # "global": one knapsack over all layers and heads; "layer": a budget per layer
+    scope: str = "layer"  # "layer": a budget per layer; "global": one knapsack over all layers and heads
+    passes: int = 3  # allocation passes: K is re-priced for the tokens the previous pass kept (solvers/allocate)
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
     surprisal: float = 3.0  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
     pool: int = 7  # surprisal max-pool width (odd)
@@ -48,6 +49,8 @@ class CompressConfig:
             raise RDKVError("pool must be a positive odd int; surprisal and floor must be >= 0")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
+        if not isinstance(self.passes, int) or self.passes < 1:
+            raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
 
 
 def attach(model: torch.nn.Module, window: int = 64, all_queries: bool = False) -> torch.nn.Module:
@@ -254,21 +257,21 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
     return cfg, held, fp16, tables
 
 
-def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, cal, error: float,
+def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, passes: int, cal, error: float,
                       steps: int = 14) -> float:
     """The smallest budget fraction (to 1/2^steps of the bracket) whose allocation's predicted KL <= error."""
     target = cal.distortion_for(error)
 
     def ok(b: float) -> bool:
         try:
-            return modelled_distortion(tables, *allocate(tables, [b * f for f in fp16], scope)) <= target
+            return modelled_distortion(tables, *allocate(tables, [b * f for f in fp16], scope, passes)) <= target
         except ValueError:  # below the smallest feasible budget
             return False
 
     lo, hi = 0.0, 1.0
     if not ok(hi):
         raise RDKVError(f"error={error} is below what the format reaches even at budget 1.0 (predicted KL "
-                        f"{cal.predict(modelled_distortion(tables, *allocate(tables, fp16, scope))):.3g}); raise error")
+                        f"{cal.predict(modelled_distortion(tables, *allocate(tables, fp16, scope, passes))):.3g}); raise error")
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
@@ -316,8 +319,8 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     try:
         if tables is not None:
             if error is not None:
-                budget = _budget_for_error(tables, fp16, cfg.scope, cal, error)
-            v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope)
+                budget = _budget_for_error(tables, fp16, cfg.scope, cfg.passes, cal, error)
+            v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)
             distortion = modelled_distortion(tables, v_opt, k_opt)
             perms = [t.perm for t in tables]
         else:

@@ -26,7 +26,9 @@ from .trizone import pos_bytes
 RDKV_VARIANTS: dict[str, dict] = {
     "rdkv": {},
     "rdkv-all": {"weights": "all"},  # needs rdkv.attach(model, all_queries=True)
-    "rdkv-layer": {"scope": "layer"},
+    "rdkv-global": {"scope": "global"},
+    "rdkv-1pass": {"passes": 1},
+    "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-nofloor": {"floor": 0.0, "surprisal": 0.0},
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
     "rdkv-noevict": {"evict": False},

@@ -15,7 +15,7 @@ import rdkv
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-DEFAULT_METHODS = ["rdkv", "rdkv-noevict", "rdkv-layer", "rdkv-paper", "snapkv", "adakv", "streaming", "knorm",
+DEFAULT_METHODS = ["rdkv", "rdkv-global", "rdkv-1pass", "rdkv-v0", "rdkv-paper", "snapkv", "adakv", "streaming", "knorm",
                    "kivi2", "kivi4", "int4", "int8"]
 
 

@@ -2,9 +2,12 @@
 
 Phase 1 solves one multiple-choice knapsack over every V token and every K block of a sequence (all
 layers and heads together for ``scope="global"``, which yields adaptive per-head budgets), with one
-multiplier so marginal returns are equal across K and V. K blocks are charged as if every token were
-kept. Phase 2 re-solves the K blocks for the tokens phase 1 kept, spending the bytes eviction freed.
-Phase 1's K choice stays feasible in phase 2 (fewer tokens never cost more), so phase 2 always fits.
+multiplier so marginal returns are equal across K and V. A K block's bytes depend on how many tokens
+its stream keeps, which phase 1 is choosing: the first pass charges K as if every token were kept, and
+each further pass (``passes``) re-solves with K charged for the tokens the previous pass kept, so that
+K is not priced for tokens that will be evicted. Phase 2 re-solves the K blocks for the tokens the last
+pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
+number of tokens, so phase 1's V choice leaves room for it.
 """
 from __future__ import annotations
 
@@ -13,26 +16,28 @@ import torch
 from .mckp import lagrangian
 
 
-def _solve_sequence(tables: list, b: int, budget: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes."""
     budget -= sum(t.fixed for t in tables)
     dev = tables[0].dv.device
     dv = [t.dv[b][t.present[b]] for t in tables]
     rv = [t.rv.to(dev).expand(len(d), -1) for t, d in zip(tables, dv)]
     dk = [t.dk[b].flatten(0, 1) for t in tables]
-    n_all = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream
-    rk = [t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_all)]
-    D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
-    R = torch.cat([torch.cat(rv), torch.cat(rk)])
-    choice = lagrangian(D, R, budget)
+    n_kept = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream; first pass: all of them
     nv = sum(len(d) for d in dv)
-    v_choice = choice[:nv].split([len(d) for d in dv])
-    v_widths, n_kept = [], []
-    for t, c in zip(tables, v_choice):
-        full = torch.zeros(t.present[b].shape, dtype=torch.long, device=dev)
-        full[t.present[b]] = c
-        v_widths.append(full)
-        n_kept.append((full > 0).sum(-1))
+    for _ in range(passes):
+        # never below the cost of width 0 (2 bytes per channel mean): phase 2 must always afford it
+        rk = [t.rk(n).clamp_min(2.0 * t.spec.k_block).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
+        D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
+        R = torch.cat([torch.cat(rv), torch.cat(rk)])
+        choice = lagrangian(D, R, budget)
+        v_choice = choice[:nv].split([len(d) for d in dv])
+        v_widths, n_kept = [], []
+        for t, c in zip(tables, v_choice):
+            full = torch.zeros(t.present[b].shape, dtype=torch.long, device=dev)
+            full[t.present[b]] = c
+            v_widths.append(full)
+            n_kept.append((full > 0).sum(-1))
     spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
     rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
     k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v)
@@ -40,7 +45,8 @@ def _solve_sequence(tables: list, b: int, budget: float) -> tuple[list[torch.Ten
     return v_widths, k_widths
 
 
-def allocate(tables: list, budgets: list[float], scope: str = "global") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def allocate(tables: list, budgets: list[float], scope: str = "global",
+             passes: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Option indices per V token [B, H, T] and per K block [B, H, nb], one entry per layer.
 
     ``budgets[b]`` is sequence b's byte budget; ``scope="layer"`` splits it across layers in proportion
@@ -51,11 +57,11 @@ def allocate(tables: list, budgets: list[float], scope: str = "global") -> tuple
     per_seq = []
     for b, budget in enumerate(budgets):
         if scope == "global":
-            per_seq.append(_solve_sequence(tables, b, budget))
+            per_seq.append(_solve_sequence(tables, b, budget, passes))
             continue
         fp16 = torch.tensor([float(t.present[b].sum()) * t.rv[-1].item() for t in tables])
         share = fp16 / fp16.sum()
-        parts = [_solve_sequence([t], b, budget * float(f)) for t, f in zip(tables, share)]
+        parts = [_solve_sequence([t], b, budget * float(f), passes) for t, f in zip(tables, share)]
         per_seq.append(([p[0][0] for p in parts], [p[1][0] for p in parts]))
     v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
     k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]

@@ -54,7 +54,7 @@ def test_error_budget_meets_eps_with_the_fewest_bytes(calibrated):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budget=0.2, error=0.1), "not both"), (dict(error=0.1, method="kivi2"), "distortion model"),
-    (dict(error=-1.0), "positive number"), (dict(error=0.1, method="rdkv-layer"), "calibrated for method"),
+    (dict(error=-1.0), "positive number"), (dict(error=0.1, method="rdkv-global"), "calibrated for method"),
 ])
 def test_error_budget_bad_input(calibrated, kwargs, match):
     model, _, _ = calibrated
