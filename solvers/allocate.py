@@ -30,7 +30,9 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         rk = [t.rk(n).clamp_min(2.0 * t.spec.k_block).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
         R = torch.cat([torch.cat(rv), torch.cat(rk)])
-        choice = lagrangian(D, R, budget)
+        # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -0.2..+2%
+        # at 8x the time (30 per-layer instances x passes x up to 96 re-solves)
+        choice = lagrangian(D, R, budget, swap=False)
         v_choice = choice[:nv].split([len(d) for d in dv])
         v_widths, n_kept = [], []
         for t, c in zip(tables, v_choice):
@@ -40,7 +42,7 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
             n_kept.append((full > 0).sum(-1))
     spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
     rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
-    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v)
+    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
     return v_widths, k_widths
 

@@ -151,13 +151,14 @@ def _solve(D: torch.Tensor, R: torch.Tensor, budget: float) -> torch.Tensor:
     return _fill(D, R, choice, budget)
 
 
-def lagrangian(D: Array, R: Array, budget: float) -> Array:
+def lagrangian(D: Array, R: Array, budget: float, swap: bool = True) -> Array:
     """Fast near-optimal MCKP: bisect the Lagrange multiplier, then greedily spend the slack.
 
     For a multiplier lam every unit independently picks argmin D + lam * R, which is optimal
     for its own cost; the smallest lam whose choice fits the budget leaves little slack, which
     upgrades ranked by distortion saved per byte then fill. Fully vectorised over units (runs on
-    the tensors' device), so it scales to millions of units. Never exceeds the budget.
+    the tensors' device), so it scales to millions of units. Never exceeds the budget. ``swap=False``
+    skips the local search small instances otherwise get (for intermediate solves).
 
     Returns the chosen option per unit: a torch.long tensor on the input device for torch
     input, a numpy int64 array otherwise.
@@ -170,7 +171,7 @@ def lagrangian(D: Array, R: Array, budget: float) -> Array:
         D, R = D.gather(1, perm), R.gather(1, perm)
 
     choice = _solve(D, R, budget)
-    if len(D) <= SWAP_UNITS:
+    if swap and len(D) <= SWAP_UNITS:
         choice = _swap(D, R, choice, budget)
     return out(choice if perm is None else at(perm, choice).squeeze(1))
 
