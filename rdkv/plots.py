@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from . import api, quant
+from .calibrate import modelled_distortion as objective
 from .errors import RDKVError
 from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
@@ -264,19 +265,9 @@ def bytes_per_token(cache: TriZoneCache) -> "Figure":
 # --- rate-distortion -----------------------------------------------------------------------------------
 
 def _tables(model: torch.nn.Module, method: str, config: api.CompressConfig | None, overrides: dict):
-    """The allocator's tables for the model's last prefill, each sequence's fp16 bytes and the scope."""
+    """The allocator's tables for the model's last prefill, each sequence's fp16 bytes and the config."""
     cfg, tables, fp16 = api.allocation_tables(model, method, config, **overrides)
-    return tables, [float(f) for f in fp16], cfg.scope
-
-
-def _objective(tables, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
-    """The solver's objective: modelled distortion summed over V tokens and K blocks of every layer."""
-    total = 0.0
-    for t, vo, ko in zip(tables, v_opt, k_opt):
-        dv = t.dv.gather(-1, vo.unsqueeze(-1)).squeeze(-1)
-        total += float(torch.where(t.present, dv, 0.0).double().sum())
-        total += float(t.dk.gather(-1, ko.unsqueeze(-1)).double().sum())
-    return total
+    return tables, [float(f) for f in fp16], cfg
 
 
 def _options_of(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -302,22 +293,23 @@ def _options_of(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[t
 def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
                         *, method: str = "rdkv", config: api.CompressConfig | None = None,
                         **overrides) -> tuple[list[float], list[float]]:
-    """The allocator's objective (modelled distortion, summed over sequences) at each budget, and for
-    each given cache compressed from the model's last prefill.
+    """The allocator's objective (modelled distortion per weight query, the unit of ``cache.distortion``
+    and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the model's
+    last prefill.
 
     Budgets are solved as ``rdkv.compress`` solves them (its own tables, the same per-sequence byte
     budgets of budget x fp16 bytes), without packing; a budget too small to fit gives NaN. Only rdkv methods have
     a model of distortion; baselines raise.
     """
     budgets = [api._check_budget(b) for b in budgets]
-    tables, fp16, scope = _tables(model, method, config, dict(overrides))
+    tables, fp16, cfg = _tables(model, method, config, dict(overrides))
     at_budget = []
     for budget in budgets:
         try:
-            at_budget.append(_objective(tables, *allocate(tables, [budget * f for f in fp16], scope)))
+            at_budget.append(objective(tables, *allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)))
         except ValueError:  # not even the cheapest allowed options fit
             at_budget.append(math.nan)
-    return at_budget, [_objective(tables, *_options_of(c, tables)) for c in caches]
+    return at_budget, [objective(tables, *_options_of(c, tables)) for c in caches]
 
 
 def rd_curve(model: torch.nn.Module, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,

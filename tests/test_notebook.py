@@ -134,6 +134,7 @@ def test_rd_curve_is_the_solver_objective_and_the_chosen_cache_lies_on_it(tiny):
     d = list(curve.get_ydata())
     assert d[-1] < d[0]
     assert star.get_xdata()[0] == 0.1 and star.get_ydata()[0] == pytest.approx(d[0], rel=1e-9)
+    assert star.get_ydata()[0] == pytest.approx(cache.distortion, rel=1e-9)  # the unit compress reports
     # compress after the curve is unchanged by it
     again = rdkv.compress(model, 0.1, **SMALL)
     assert all(torch.equal(a.v_widths(), b.v_widths()) for a, b in zip(again.layers, cache.layers))
