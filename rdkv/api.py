@@ -33,6 +33,7 @@ class CompressConfig:
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
     surprisal: float = 3.0  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
     pool: int = 7  # surprisal max-pool width (odd)
+    pool_weights: int = 1  # max-pool width (odd) of the attention weights; 1 = none
     evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
@@ -45,8 +46,10 @@ class CompressConfig:
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
         if self.scope not in ("global", "layer"):
             raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
-        if self.pool < 1 or self.pool % 2 == 0 or self.surprisal < 0 or self.floor < 0:
-            raise RDKVError("pool must be a positive odd int; surprisal and floor must be >= 0")
+        if min(self.pool, self.pool_weights) < 1 or self.pool % 2 == 0 or self.pool_weights % 2 == 0:
+            raise RDKVError("pool and pool_weights must be positive odd ints")
+        if self.surprisal < 0 or self.floor < 0:
+            raise RDKVError("surprisal and floor must be >= 0")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
         if not isinstance(self.passes, int) or self.passes < 1:
@@ -202,6 +205,9 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
     sums = layer_sums(st, cfg.weights, start)
+    if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended
+        mp = lambda x: torch.nn.functional.max_pool1d(x, cfg.pool_weights, 1, cfg.pool_weights // 2)  # noqa: E731
+        sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
     n = present.sum(-1, keepdim=True).clamp_min(1)
     prior = cfg.floor / n
     if surprise is not None:

@@ -172,3 +172,14 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     assert held["v16"] == sum(held[f"v{w}"] for w in (0, 2, 4, 8, 16))  # a 16-bit cache stays 16-bit...
     got, want = model(nxt, past_key_values=cache).logits.float(), model(nxt, past_key_values=full).logits.float()
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # ...up to K blocks and 16-bit rounding
+
+
+def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
+    """pool_weights=7 max-pools the attention sums: no token's price can fall, some must rise."""
+    rdkv.attach(llama)
+    llama(torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(1)), use_cache=True)
+    _, plain, _ = rdkv.api.allocation_tables(llama, **SMALL)
+    _, pooled, _ = rdkv.api.allocation_tables(llama, pool_weights=7, **SMALL)
+    for a, b in zip(plain, pooled):  # quantized widths (1..4): only the token's weight changes, not its error
+        assert (b.dv[..., 1:] >= a.dv[..., 1:] * (1 - 1e-6)).all()
+        assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()

@@ -43,7 +43,7 @@ def test_bad_budgets_raise_and_change_nothing(prefilled, budget, match):
     (dict(method="h2o"), "unknown method"), (dict(v_group=24), "v_group=24 must divide"),
     (dict(k_block=7), "k_block=7 must divide"), (dict(k_group=0), "k_group must be positive"),
     (dict(weights="sometimes"), "weights="), (dict(scope="head"), "scope="), (dict(colour="red"), "unknown option"),
-    (dict(floor=-1.0), "must be >= 0"),
+    (dict(floor=-1.0), "must be >= 0"), (dict(pool_weights=4), "positive odd"), (dict(passes=0), "passes must be"),
 ])
 def test_bad_options_raise(prefilled, kwargs, match):
     model, _, _ = prefilled
