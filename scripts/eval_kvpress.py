@@ -115,7 +115,7 @@ def rdkv_runs(model, methods: list[str], budgets: list[float], tail: torch.Tenso
 
 def main() -> None:
     ap = parser(__doc__, [0.025, 0.05, 0.1, 0.25, 0.5], [1000, 2000])
-    ap.set_defaults(methods=["rdkv", "snapkv", "adakv", "streaming", "knorm"])
+    ap.set_defaults(methods=["rdkv", "rdkv-pool", "snapkv", "adakv", "streaming", "knorm"])
     ap.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES),
                     help="kvpress presses to run (default: all)")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
