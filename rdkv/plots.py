@@ -255,7 +255,7 @@ def bytes_per_token(cache: TriZoneCache) -> "Figure":
             linestyle="--", linewidth=1, label="fp16")
     if cache.budget is not None:
         ax.step([i - 0.5 for i in x] + [x[-1] + 0.5], [cache.budget * f for f in fp16 + fp16[-1:]], where="post",
-                color="#d62728", linestyle=":", linewidth=1, label=f"budget x fp16 (shared by all layers)")
+                color="#d62728", linestyle=":", linewidth=1, label="budget x fp16")
     ax.set(xlabel="layer", ylabel="bytes per prefix token", yscale="log",
            title=f"Bytes per prefix token by component ({cache.nbytes / cache.fp16_bytes:.3f} of fp16 overall)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
