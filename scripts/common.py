@@ -52,6 +52,21 @@ def compressions(model, methods: list[str], budgets: list[float], **options):
                 print(f"  skip {m} @ {b}: {e}")
 
 
+def probe_inputs(tok, n: int, depth: float, protocol: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(prefix to prefill, tail to teacher-force, answer tokens at the tail's end) of one retrieval probe.
+
+    ``agnostic``: the context alone is compressed, question + answer follow. ``aware``: the question ends
+    the compressed prompt; only its last token and the answer are fed through the compressed cache.
+    """
+    enc = lambda s: tok(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
+    probe = rdkv.models.retrieval_prompt(n, depth, tok, seed=seed)
+    ctx = tok(probe["context"], return_tensors="pt").input_ids
+    q, ans = enc(probe["question"]), enc(probe["answer"])
+    if protocol == "agnostic":
+        return ctx, torch.cat([q, ans], 1), ans.shape[1]
+    return torch.cat([ctx, q[:, :-1]], 1), torch.cat([q[:, -1:], ans], 1), ans.shape[1]
+
+
 def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
     """Logits [L, V] of teacher-forcing ``tail`` [1, L] through ``cache`` (float32)."""
     return model(tail, past_key_values=cache).logits[0].float()

@@ -41,7 +41,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import answer_scores, forward, full_reference, header, kl, parser, table, write  # noqa: E402
+from common import answer_scores, forward, full_reference, header, kl, parser, probe_inputs, table, write  # noqa: E402
 
 PRESSES = {
     "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
@@ -128,20 +128,13 @@ def main() -> None:
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    enc = lambda s: tok(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
 
     raw = defaultdict(list)  # (protocol, source, method, budget) -> per-probe dicts
     ref_gap = 0.0  # largest |logit| gap between the plain and the rdkv-attached full-cache reference
     jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
     bar = tqdm(total=len(jobs) * (1 + len(args.presses) * len(args.budgets)), desc="prefills")
     for n, depth, protocol in jobs:
-        probe = rdkv.models.retrieval_prompt(n, depth, tok, seed=args.seed)
-        ctx = tok(probe["context"], return_tensors="pt").input_ids
-        q, ans = enc(probe["question"]), enc(probe["answer"])
-        if protocol == "agnostic":
-            prefix, tail = ctx, torch.cat([q, ans], 1)
-        else:
-            prefix, tail = torch.cat([ctx, q[:, :-1]], 1), torch.cat([q[:, -1:], ans], 1)
+        prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, args.seed)
         T = prefix.shape[1]
 
         # rdkv and its re-implemented baselines: one attached prefill, many compressions
@@ -170,7 +163,7 @@ def main() -> None:
                 bar.update()
 
         for source, m, b, ratio, kept, logits in runs:
-            nll, em = answer_scores(logits, tail, ans.shape[1])
+            nll, em = answer_scores(logits, tail, n_ans)
             raw[protocol, source, m, b].append(dict(ratio=ratio, kept=kept, nll=nll, em=em, kl=kl(ref, logits),
                                                     depth=depth, n=n, ideal=extra.get((source, m, b))))
     bar.close()

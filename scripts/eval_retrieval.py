@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import answer_scores, compressions, forward, full_reference, header, kl, parser, table, write
+from common import answer_scores, compressions, forward, full_reference, header, kl, parser, probe_inputs, table, write
 
 
 def main() -> None:
@@ -31,24 +31,17 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=any(m in ("rdkv-all", "rdkv-paper") for m in args.methods))
-    enc = lambda s: tok(s, return_tensors="pt", add_special_tokens=False).input_ids  # noqa: E731
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
     jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
     for n, depth, protocol in tqdm(jobs, desc="prefills"):
-        probe = rdkv.models.retrieval_prompt(n, depth, tok, seed=args.seed)
-        ctx = tok(probe["context"], return_tensors="pt").input_ids
-        q, ans = enc(probe["question"]), enc(probe["answer"])
-        if protocol == "agnostic":
-            prefix, tail = ctx, torch.cat([q, ans], 1)
-        else:
-            prefix, tail = torch.cat([ctx, q[:, :-1]], 1), torch.cat([q[:, -1:], ans], 1)
+        prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, args.seed)
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
         runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets)]
         ref = full_reference(model, full_cache, tail)
         runs.append(("full", 1.0, 1.0, ref))
         for m, b, ratio, logits in runs:
-            nll, em = answer_scores(logits, tail, ans.shape[1])
+            nll, em = answer_scores(logits, tail, n_ans)
             raw[protocol, m, b].append(dict(ratio=ratio, nll=nll, em=em, kl=kl(ref, logits), depth=depth, n=n))
 
     rows = []
