@@ -252,6 +252,17 @@ def problems_of(r: dict) -> list[str]:
     return problems
 
 
+def report_line(lead: str, r: dict, launch) -> bool:
+    """Print one variant's row (``launch()`` formats its launch columns); True if it fails."""
+    if "error" in r:
+        print(f"{lead}  FAIL {r['error']}")
+        return True
+    problems = problems_of(r)
+    print(f"{lead} {launch()} {r['regs']:>4} {r['spill_st']:>3}/{r['spill_ld']:<3} {r['stack']:>5} "
+          f"{r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  {'; '.join(problems) or 'ok'}")
+    return bool(problems)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one fp16 variant per head_dim, sm_90 only")
@@ -282,15 +293,7 @@ def main(argv=None) -> int:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
         name = "merge" if r.get("kernel") == "merge" else "attn"
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
-        if "error" in r:
-            bad += 1
-            print(f"{lead}  FAIL {r['error']}")
-            continue
-        problems = problems_of(r)
-        bad += bool(problems)
-        print(f"{lead} {r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5} {r['regs']:>4} "
-              f"{r['spill_st']:>3}/{r['spill_ld']:<3} {r['stack']:>5} {r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  "
-              f"{'; '.join(problems) or 'ok'}")
+        bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:
         if decode_rows:
             print()
@@ -299,14 +302,7 @@ def main(argv=None) -> int:
     for r in compress_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r.get("flags", (False,) * 3)))
         lead = f"{r['kernel']:>7} sm_{r['arch']:<2} {r['dtype']:>5} {compress_shape(r):>14} {flags:>5}"
-        if "error" in r:
-            bad += 1
-            print(f"{lead}  FAIL {r['error']}")
-            continue
-        problems = problems_of(r)
-        bad += bool(problems)
-        print(f"{lead} {r['tile']:>10} {r['warps']:>5} {r['regs']:>4} {r['spill_st']:>3}/{r['spill_ld']:<3} "
-              f"{r['stack']:>5} {r['smem'] / 1024:>7.1f} {r['secs']:>5.1f}  {'; '.join(problems) or 'ok'}")
+        bad += report_line(lead, r, lambda: f"{r['tile']:>10} {r['warps']:>5}")
     print(f"{len(rows)} variants, {bad} failing")
     return 1 if bad else 0
 
