@@ -500,6 +500,9 @@ def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
         raise RDKVError(f"Triton decode needs v_group a power of two (register unpacking), the layer has v_group={vg}")
     if L < 1:
         raise RDKVError("Triton decode needs at least one query position")
+    if "rope" in layer.t:
+        raise RDKVError("this cache holds pre-RoPE keys (compressed with prerope=True), which only the torch decode "
+                        "path rotates back: set RDKV_BACKEND=torch, or compress without prerope")
     if softcap is not None and not softcap > 0:
         raise RDKVError(f"softcap must be positive, got {softcap}")
     if mask is not None:

@@ -10,11 +10,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import quant
 from .attention import RDKVState, rdkv_attention
-from .distortion import MODELS, LayerTables, fixed_bytes, layer_tables
+from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, layer_tables
 from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
 from .calibrate import modelled_distortion
 from .errors import RDKVError
 from .fold import FoldPolicy
+from .rope import pair_mean, rope_bytes, rope_table, rotate
 from .trizone import PackSpec, TriZoneCache, pack_choice
 from .weights import FORMS, layer_sums
 from .solvers.allocate import allocate
@@ -28,6 +29,7 @@ class CompressConfig:
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
+    evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
     scope: str = "layer"  # "layer": a budget per layer; "global": one knapsack over all layers and heads
     passes: int = 3  # allocation passes: K is re-priced for the tokens the previous pass kept (solvers/allocate)
     floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
@@ -37,6 +39,7 @@ class CompressConfig:
     evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
+    prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
     spec: PackSpec = field(default_factory=PackSpec)
 
     def check(self) -> None:
@@ -44,6 +47,8 @@ class CompressConfig:
             raise RDKVError(f"weights={self.weights!r} is not one of {FORMS}")
         if self.distortion not in MODELS:
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
+        if self.evict_to not in EVICT_TO:
+            raise RDKVError(f"evict_to={self.evict_to!r} is not one of {EVICT_TO}")
         if self.scope not in ("global", "layer"):
             raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
         if min(self.pool, self.pool_weights) < 1 or self.pool % 2 == 0 or self.pool_weights % 2 == 0:
@@ -205,6 +210,8 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
     sums = layer_sums(st, cfg.weights, start)
+    if cfg.prerope:
+        sums.q2 = pair_mean(sums.q2)
     if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended
         mp = lambda x: torch.nn.functional.max_pool1d(x, cfg.pool_weights, 1, cfg.pool_weights // 2)  # noqa: E731
         sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
@@ -213,7 +220,9 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     if surprise is not None:
         s = surprise[:, None, start:] * present
         prior = prior + cfg.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
-    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior)
+    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to)
+    if cfg.prerope:  # the RoPE table, charged to every sequence of the batch (conservative for B > 1)
+        t.fixed += rope_bytes(k.shape[-1])
     pos = torch.arange(start, st.seen, device=k.device)
     first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
@@ -228,12 +237,13 @@ def allocation_tables(model: torch.nn.Module, method: str = "rdkv", config: Comp
     sequence). The budget of sequence b is budget x fp16[b]; see :func:`rdkv.solvers.allocate`."""
     if method not in RDKV_VARIANTS:
         raise RDKVError(f"method {method!r} has no distortion model; use one of {', '.join(RDKV_VARIANTS)}")
-    cfg, _, fp16, tables = _prepare(model, method, config, overrides)
+    cfg, _, fp16, tables, _ = _prepare(model, method, config, overrides)
     return cfg, tables, fp16
 
 
 def _prepare(model, method: str, config: CompressConfig | None, overrides: dict):
-    """Validate, gather each layer's held cache, and build the solver tables (RDKV variants only)."""
+    """Validate, gather each layer's held cache (keys un-rotated with ``prerope``), and build the solver
+    tables (RDKV variants only). Returns (config, held, fp16 bytes, tables, RoPE tables or Nones)."""
     if method not in METHODS:
         raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in RDKV_VARIANTS:
@@ -245,12 +255,18 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):
         raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")
-    held = []
+    held, ropes = [], []
     for i in range(n_layers):
         st = state.layers[i]
         cfg.spec.check(st.key.shape[-1])
         k, v, start = _held(st, i)
+        rope = None
+        if cfg.prerope:
+            pos = torch.arange(start, st.seen, device=k.device)
+            rope = rope_table(model, i, k.shape[-1], pos)
+            k = rotate(k, pos, rope, inverse=True)
         held.append((st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3])))
+        ropes.append(rope)
     # fp16 bytes of what the cache holds, per sequence: K and V rows of 2 * head_dim bytes each
     fp16 = [sum(int(p[b].sum()) * 4 * k.shape[-1] for _, k, _, _, p in held) for b in range(held[0][1].shape[0])]
     tables = None
@@ -260,7 +276,7 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
             s = surprisal(model)
             surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
         tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
-    return cfg, held, fp16, tables
+    return cfg, held, fp16, tables, ropes
 
 
 def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, passes: int, cal, error: float,
@@ -319,7 +335,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
                             f"rdkv.calibrate(model, ids, method={method!r})")
     elif budget is not None or method not in FIXED_RATE:
         budget = _check_budget(budget)
-    cfg, held, fp16, tables = _prepare(model, method, config, overrides)
+    cfg, held, fp16, tables, ropes = _prepare(model, method, config, overrides)
     spec = cfg.spec
     distortion = None
     try:
@@ -330,7 +346,8 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             distortion = modelled_distortion(tables, v_opt, k_opt)
             perms = [t.perm for t in tables]
         else:
-            fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) for _, k, _, _, _ in held)] * len(fp16)
+            fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) + (rope_bytes(k.shape[-1]) if cfg.prerope else 0)
+                         for _, k, _, _, _ in held)] * len(fp16)
             inputs = [LayerInput(k, p, layer_sums(st, "window", start).mass, start, st.seen)
                       for st, k, v, start, p in held]
             budgets = [budget * f if budget is not None else float("inf") for f in fp16]
@@ -340,6 +357,9 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
         raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
     layers = [pack_choice(k, v, start, vo, ko, perm, spec, _dtype16(model), st.sliding_window, st.seen)
               for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms)]
+    for layer, rope in zip(layers, ropes):
+        if rope is not None:
+            layer.t["rope"] = rope
     cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, distortion=distortion)
     if fold is not None:
         if not isinstance(fold, FoldPolicy):

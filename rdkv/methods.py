@@ -34,6 +34,12 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
     "rdkv-noevict": {"evict": False},
     "rdkv-nosurprisal": {"surprisal": 0.0},
+    "rdkv-prerope": {"prerope": True},  # KVQuant's pre-RoPE keys (torch decode path only)
+    # where an evicted token's mass is assumed to go (rdkv.distortion.EVICT_TO; the default is "heavy")
+    "rdkv-evict-output": {"evict_to": "output"},  # the default until the 8k regression was traced to it
+    "rdkv-evict-mean": {"evict_to": "mean"},
+    "rdkv-evict-max": {"evict_to": "max"},
+    "rdkv-evict-kept": {"evict_to": "kept"},
     "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "surprisal": 0.0, "sinks": 0, "recent": 0},
 }
 OPT = {w: i for i, w in enumerate(quant.WIDTHS)}

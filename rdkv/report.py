@@ -21,7 +21,7 @@ def component(name: str) -> str:
         return "zeros"
     if name in ("v16", "k16"):
         return "fp16 rows"
-    return "indices"  # pos, v_counts, k_perm, k_bits
+    return "indices"  # pos, v_counts, k_perm, k_bits, rope
 
 
 def layer_components(layer) -> dict[str, int]:

@@ -11,6 +11,8 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
   The rows of all (block, stream) pairs of width w, block-major, are ``k{w}.codes`` [rows, k_block*w/8],
   with one fp16 scale and zero per channel per ``k_group`` consecutive tokens of a pair. Width 16 is
   ``k16``; width 0 stores only the channel means ``k0.mean``.
+* ``rope`` (only when compressed with ``prerope``): the keys were packed before RoPE; the layer's
+  rotary frequencies and scaling [D/2 + 1] rotate them back at decode (:mod:`rdkv.rope`).
 * ``pos`` [N] is the absolute position of each kept token (needed by sliding-window masks and reports).
 * Zone C, ``kc``/``vc`` [B, H, n, D], holds tokens appended after compression, in the 16-bit dtype; its
   first token sits at absolute position ``c_start``.
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import quant
+from . import quant, rope
 from .errors import RDKVError
 
 V_CLASSES = (2, 4, 8, 16)
@@ -209,6 +211,8 @@ class TriZoneLayer(CacheLayerMixin):
                 rows = codes * t[f"k{w}.scale"].float()[gid] + t[f"k{w}.zero"].float()[gid]
             Kp[ps.unsqueeze(1), pi.unsqueeze(1), pb.unsqueeze(1) * kb + lane] = rows
         K.scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, nmax, D), Kp)
+        if "rope" in t:  # keys were packed before RoPE (rdkv.rope): rotate them to their positions
+            K = rope.rotate(K, pos, t["rope"])
         valid = torch.arange(nmax, device=dev) < n.unsqueeze(1)
         return K, V, pos, valid
 

@@ -7,13 +7,15 @@
 2. For each domain (prose, code, legal) and context N: prefill once, compress at every budget, record the
    modelled distortion D of the allocation and the measured KL from the full cache over the next M
    tokens (teacher-forced). Report Spearman's rank correlation of D with KL over all points and per
-   context.
+   context; and, across layers, of each layer's share of D with the error it causes in its own attention
+   output for the continuation's queries (over the compressed prefix, the layer's inputs held fixed).
 3. For each eps: ``compress(error=eps)`` on the same prefills; report bytes, predicted and measured KL.
 """
 from __future__ import annotations
 
 import collections
 import inspect
+import statistics
 
 from scipy.stats import spearmanr
 from tqdm import tqdm
@@ -22,7 +24,42 @@ import torch
 
 import rdkv
 from common import forward, full_reference, header, kl, parser, table, write
+from rdkv.attention import allowed_keys
+from rdkv.calibrate import modelled_distortion
+from rdkv.reference import partial_attention
 from eval_perplexity import domain_text
+
+
+def layer_distortion(tables, cache) -> list[float]:
+    """Each layer's part of the solver's modelled distortion for the widths ``cache`` holds."""
+    lut = torch.zeros(17, dtype=torch.long)
+    lut[list(rdkv.quant.WIDTHS)] = torch.arange(len(rdkv.quant.WIDTHS))
+    out = []
+    for t, layer in zip(tables, cache.layers):
+        ko = lut[layer.k_widths().gather(-1, t.perm)[..., :: t.spec.k_block]]  # blocks in the tables' order
+        out.append(modelled_distortion([t], [lut[layer.v_widths()]], [ko]))
+    return out
+
+
+def layer_error(model, cache, full_cache, n_tail: int) -> list[float]:
+    """Per layer: squared error of the attention output over the prefix for the continuation's queries (the
+    last ones the full reference pass recorded, at most the attach window), compressed vs full, per query."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        st = model._rdkv_state.layers[i]
+        B, Hq, W, D = st.window_q.shape
+        S, G, n = layer.batch * layer.heads, Hq // layer.heads, min(n_tail, W)
+        q = st.window_q[:, :, -n:].float().reshape(S, G * n, D)
+        q_pos = torch.arange(st.seen - n, st.seen).repeat(G)
+        window = layer.sliding_window
+        fk, fv = full_cache.layers[i].keys.float(), full_cache.layers[i].values.float()
+        f_pos = torch.arange(layer.prefix_len - fk.shape[2], layer.prefix_len)
+        ref, _ = partial_attention(q, fk.reshape(S, -1, D), fv.reshape(S, -1, D),
+                                   allowed_keys(q_pos, f_pos, window).expand(S, -1, -1), st.scaling, st.softcap)
+        K, V, pos, valid = layer.dequantize()
+        got, _ = partial_attention(q, K, V, allowed_keys(q_pos, pos, window) & valid.unsqueeze(1), st.scaling, st.softcap)
+        out.append(float((got - ref).square().sum(-1).mean()))
+    return out
 
 
 def main() -> None:
@@ -42,13 +79,16 @@ def main() -> None:
     a = args.calibration_offset
     code = tok(inspect.getsource(collections), return_tensors="pt").input_ids
     cal = rdkv.calibrate(model, [prose[:, a : a + 1024], code[:, :1024]])
-    rows, points = [], []
+    rows, points, layer_points = [], [], []
     jobs = [(d, n) for d in args.domains for n in args.contexts]
     for domain, n in tqdm(jobs, desc="prefills"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        tables = rdkv.api.allocation_tables(model)[1]  # the same for every budget of this prefill
         caches = [("budget", b, rdkv.compress(model, b)) for b in args.budgets]
+        per_layer = [layer_distortion(tables, c) for _, _, c in caches]
+        assert all(abs(sum(d) - c.distortion) <= 1e-6 * c.distortion for d, (_, _, c) in zip(per_layer, caches))
         for eps in args.eps:
             try:
                 caches.append(("error", eps, rdkv.compress(model, error=eps)))
@@ -57,6 +97,8 @@ def main() -> None:
         ratios = [c.nbytes / c.fp16_bytes for _, _, c in caches]  # before the tail grows zone C
         logits = [forward(model, c, tail) for _, _, c in caches]
         ref = full_reference(model, full_cache, tail)
+        for (how, x, c), d_layers in zip(caches, per_layer):  # the budget caches come first
+            layer_points.append((d_layers, layer_error(model, c, full_cache, tail.shape[1])))
         for (how, x, c), ratio, lg in zip(caches, ratios, logits):
             got = kl(ref, lg)
             row = {"domain": domain, "context": n, "asked": f"{how}={x:g}", "bytes/fp16": ratio,
@@ -68,6 +110,7 @@ def main() -> None:
     rho = spearmanr([p[2] for p in points], [p[3] for p in points]).statistic
     per_ctx = {n: spearmanr([p[2] for p in points if p[0] == n], [p[3] for p in points if p[0] == n]).statistic
                for n in args.contexts}
+    rho_layers = [spearmanr(d, e).statistic for d, e in layer_points]
     err = [r for r in rows if r["method"] == "rdkv error"]
     within = sum(r["KL measured"] <= float(r["asked"].split("=")[1]) for r in err)
     within2 = sum(r["KL measured"] <= 2 * float(r["asked"].split("=")[1]) for r in err)
@@ -80,7 +123,9 @@ def main() -> None:
           f"Spearman rank correlation of modelled D with measured KL over {len(points)} (domain, context, budget) "
           f"points: **{rho:.3f}**; per context: "
           + ", ".join(f"{n}: {r:.3f}" for n, r in per_ctx.items())
-          + f".\n\nError budget: measured KL <= eps in {within} of {len(err)} `compress(error=eps)` calls, "
+          + f".\n\nAcross layers (each layer's part of D against its own attention-output error for the continuation's "
+          f"queries, {len(rho_layers)} allocations): Spearman median **{statistics.median(rho_layers):.3f}**, "
+          f"range {min(rho_layers):.3f}..{max(rho_layers):.3f}.\n\nError budget: measured KL <= eps in {within} of {len(err)} `compress(error=eps)` calls, "
           f"<= 2 eps in {within2}.\n\n"
           f"{table(rows, cols)}\n\n![plot]({name}.png)\n")
     write(name, md, rows, ["KL"], f"{args.model}: KL vs bytes")

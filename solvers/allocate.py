@@ -25,7 +25,7 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
     dk = [t.dk[b].flatten(0, 1) for t in tables]
     n_kept = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream; first pass: all of them
     nv = sum(len(d) for d in dv)
-    for _ in range(passes):
+    for p in range(passes):
         # never below the cost of width 0 (2 bytes per channel mean): phase 2 must always afford it
         rk = [t.rk(n).clamp_min(2.0 * t.spec.k_block).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
@@ -40,11 +40,23 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
             full[t.present[b]] = c
             v_widths.append(full)
             n_kept.append((full > 0).sum(-1))
+        if p + 1 < passes:
+            dv = [_reprice(t, b, d, full) for t, d, full in zip(tables, dv, v_widths)]
     spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
     rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
     k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
     return v_widths, k_widths
+
+
+def _reprice(t, b: int, dv: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """With eviction re-priced from the kept tokens' mean (tables carrying values), raise each token's
+    eviction cost to that; costs only rise, so passes cannot oscillate."""
+    if t.v is None:
+        return dv
+    dv = dv.clone()
+    dv[:, 0] = torch.maximum(dv[:, 0], t.evict_from_kept(b, widths > 0)[t.present[b]].to(dv.dtype))
+    return dv
 
 
 def allocate(tables: list, budgets: list[float], scope: str = "global",

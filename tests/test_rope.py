@@ -1,0 +1,90 @@
+"""Pre-RoPE keys (rdkv.rope): packed un-rotated, rotated back at decode, refused where they cannot be."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rdkv
+from conftest import SMALL, tiny_gemma3, tiny_llama
+from rdkv.io import load, save
+from rdkv.rope import pair_mean, rotate
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.floats(0.5, 2.0), half=st.sampled_from([2, 16, 64]))
+def test_inverse_rotation_undoes_rope_with_attention_scaling(seed, scale, half):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(3, 40, 2 * half, generator=g)
+    pos = torch.randint(0, 9000, (3, 40), generator=g)
+    table = torch.cat([1.0 / 10000 ** (torch.arange(half) / half), torch.tensor([scale])])
+    back = rotate(rotate(k, pos, table, inverse=True), pos, table)
+    assert torch.allclose(back, k, atol=1e-4, rtol=1e-4)
+
+
+def test_pair_mean_spreads_each_pair_evenly():
+    q2 = torch.tensor([4.0, 0.0, 2.0, 6.0])  # pairs (0, 2) and (1, 3)
+    assert torch.equal(pair_mean(q2), torch.tensor([3.0, 3.0, 3.0, 3.0]))
+
+
+def logits_after(model, ids, budget, **kw):
+    """(compressed cache, its logits over ids[:, 60:], the full cache's, the full prefill cache)."""
+    rdkv.attach(model)
+    full = model(ids[:, :60], use_cache=True).past_key_values
+    cache = rdkv.compress(model, budget, **SMALL, **kw)
+    got = model(ids[:, 60:], past_key_values=cache).logits
+    ref = model(ids[:, 60:], past_key_values=copy.deepcopy(full)).logits
+    return cache, got, ref, full
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_prerope_at_full_budget_reproduces_the_full_cache(make):
+    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
+    cache, got, ref, full = logits_after(make(), ids, 1.0, prerope=True)
+    assert (got - ref).abs().max() < 2e-3  # the 16-bit cache: measured ~3e-4
+    for layer, plain in zip(cache.layers, full.layers):
+        assert "rope" in layer.t
+        K, _, pos, valid = layer.dequantize()  # rotated back at the kept positions
+        keys = plain.keys.flatten(0, 1)  # a sliding layer's plain cache holds only its last positions
+        want = keys.gather(1, (pos - (60 - keys.shape[1]))[..., None].expand_as(K))
+        assert valid.all()  # budget 1.0 keeps every position
+        # budget 1.0 still pays for indices, so a few K blocks drop to 8 bits: half a step of a range < 8
+        assert (K - want).abs().max() < 8 / 255 / 2
+        layer.t.pop("rope")
+        stored, _, _, _ = layer.dequantize()  # without the table: the keys as packed, before RoPE
+        assert (stored - want)[:, 1:].abs().max() > 0.1  # position 0 has angle 0, every later one turns
+
+
+def test_prerope_cache_saves_loads_and_counts_its_table(tmp_path):
+    model = tiny_llama()
+    ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(2))
+    cache, got, _, _ = logits_after(model, ids, 0.3, prerope=True)  # compress checks the budget itself
+    assert cache.layers[0].t["rope"].numel() == 32 // 2 + 1  # head_dim 32: 16 frequencies and the scaling
+    save(cache, tmp_path / "c.safetensors")
+    back = load(tmp_path / "c.safetensors")
+    nxt = torch.randint(0, 96, (1, 1))
+    assert torch.equal(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=back).logits)
+
+
+def test_a_model_without_rotate_half_rope_is_refused_and_nothing_changes():
+    model = tiny_llama()
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    model.config.model_type = "phi"
+    with pytest.raises(rdkv.RDKVError, match="rotate-half"):
+        rdkv.compress(model, 0.3, prerope=True, **SMALL)
+    model.config.model_type = "llama"
+    assert rdkv.compress(model, 0.3, **SMALL).nbytes > 0
+
+
+def test_triton_decode_refuses_prerope_keys():
+    pytest.importorskip("triton")
+    from rdkv.kernels.trizone_decode import check
+
+    model = tiny_llama()
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    layer = rdkv.compress(model, 0.3, prerope=True, **SMALL).layers[0]
+    with pytest.raises(rdkv.RDKVError, match="pre-RoPE"):
+        check(torch.zeros(1, 4, 1, 32), layer, None, None)
