@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import quant
 from .errors import RDKVError
+from .trizone import TriZoneCache
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,25 @@ def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[tor
         dk = t.dk.gather(-1, ko.unsqueeze(-1)).squeeze(-1)
         total += float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean())
     return total
+
+
+def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Option indices of a compressed cache's widths, in the tables' units (positions, channel blocks)."""
+    lookup = torch.full((max(quant.WIDTHS) + 1,), -1, dtype=torch.long)
+    lookup[list(quant.WIDTHS)] = torch.arange(len(quant.WIDTHS))
+    v_opt, k_opt = [], []
+    for i, (layer, t) in enumerate(zip(cache.layers, tables)):
+        vw = layer.v_widths().to(t.dv.device)
+        if vw.shape != t.present.shape:
+            raise RDKVError(f"layer {i}: the cache holds {tuple(vw.shape)} positions, the last prefill "
+                            f"{tuple(t.present.shape)}: pass a cache compressed from the model's last prefill")
+        kw = layer.k_widths().to(t.dk.device).gather(-1, t.perm).unflatten(-1, (-1, t.spec.k_block))
+        if (kw != kw[..., :1]).any():
+            raise RDKVError(f"layer {i}: the cache's K blocks are not the allocator's blocks (a baseline, or another "
+                            "prefill); its modelled distortion is not defined")
+        v_opt.append(lookup.to(vw.device)[vw])
+        k_opt.append(lookup.to(kw.device)[kw[..., 0]])
+    return v_opt, k_opt
 
 
 def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from . import api, quant
-from .calibrate import modelled_distortion as objective
+from .calibrate import cache_options, modelled_distortion as objective
 from .errors import RDKVError
 from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
@@ -270,25 +270,6 @@ def _tables(model: torch.nn.Module, method: str, config: api.CompressConfig | No
     return tables, [float(f) for f in fp16], cfg
 
 
-def _options_of(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Option indices of a compressed cache's widths, in the tables' units (positions, channel blocks)."""
-    lookup = torch.full((max(quant.WIDTHS) + 1,), -1, dtype=torch.long)
-    lookup[list(quant.WIDTHS)] = torch.arange(len(quant.WIDTHS))
-    v_opt, k_opt = [], []
-    for i, (layer, t) in enumerate(zip(cache.layers, tables)):
-        vw = layer.v_widths().to(t.dv.device)
-        if vw.shape != t.present.shape:
-            raise RDKVError(f"layer {i}: the cache holds {tuple(vw.shape)} positions, the last prefill "
-                            f"{tuple(t.present.shape)}: pass a cache compressed from the model's last prefill")
-        kw = layer.k_widths().to(t.dk.device).gather(-1, t.perm).unflatten(-1, (-1, t.spec.k_block))
-        if (kw != kw[..., :1]).any():
-            raise RDKVError(f"layer {i}: the cache's K blocks are not the allocator's blocks (a baseline, or another "
-                            "prefill); its modelled distortion is not defined")
-        v_opt.append(lookup.to(vw.device)[vw])
-        k_opt.append(lookup.to(kw.device)[kw[..., 0]])
-    return v_opt, k_opt
-
-
 @torch.no_grad()
 def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
                         *, method: str = "rdkv", config: api.CompressConfig | None = None,
@@ -309,7 +290,7 @@ def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), c
             at_budget.append(objective(tables, *allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)))
         except ValueError:  # not even the cheapest allowed options fit
             at_budget.append(math.nan)
-    return at_budget, [objective(tables, *_options_of(c, tables)) for c in caches]
+    return at_budget, [objective(tables, *cache_options(c, tables)) for c in caches]
 
 
 def rd_curve(model: torch.nn.Module, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,

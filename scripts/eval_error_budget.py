@@ -25,20 +25,15 @@ import torch
 import rdkv
 from common import forward, full_reference, header, kl, parser, table, write
 from rdkv.attention import allowed_keys
-from rdkv.calibrate import modelled_distortion
+from rdkv.calibrate import cache_options, modelled_distortion
 from rdkv.reference import partial_attention
 from eval_perplexity import domain_text
 
 
 def layer_distortion(tables, cache) -> list[float]:
     """Each layer's part of the solver's modelled distortion for the widths ``cache`` holds."""
-    lut = torch.zeros(17, dtype=torch.long)
-    lut[list(rdkv.quant.WIDTHS)] = torch.arange(len(rdkv.quant.WIDTHS))
-    out = []
-    for t, layer in zip(tables, cache.layers):
-        ko = lut[layer.k_widths().gather(-1, t.perm)[..., :: t.spec.k_block]]  # blocks in the tables' order
-        out.append(modelled_distortion([t], [lut[layer.v_widths()]], [ko]))
-    return out
+    v_opt, k_opt = cache_options(cache, tables)
+    return [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, v_opt, k_opt)]
 
 
 def layer_error(model, cache, full_cache, n_tail: int) -> list[float]:
