@@ -24,7 +24,8 @@ Two distortion models:
   ``evict_to`` chooses u: ``"output"`` (o, the window queries' weighted mean value), ``"mean"`` (the
   plain mean value of the layer: what a query falls back on), ``"max"`` (the larger error of the two),
   ``"kept"`` (o in the first allocation pass, then the weighted mean of the tokens the previous pass
-  kept; costs only rise from pass to pass, see :mod:`rdkv.solvers.allocate`).
+  kept; costs only rise from pass to pass, see :mod:`rdkv.solvers.allocate`; ``cache.distortion`` still
+  reports the first pass's prices).
   ``"heavy"`` (default): ``"max"`` for tokens holding more than ``HEAVY`` times the head's mean weight,
   the only ones that can make up a dominant group, ``"output"`` for the rest.
 * ``"paper"``: RDKV's w * sigma * 2^-b for both, with w = sum_q p_qt for tokens and

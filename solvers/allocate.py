@@ -5,7 +5,8 @@ layers and heads together for ``scope="global"``, which yields adaptive per-head
 multiplier so marginal returns are equal across K and V. A K block's bytes depend on how many tokens
 its stream keeps, which phase 1 is choosing: the first pass charges K as if every token were kept, and
 each further pass (``passes``) re-solves with K charged for the tokens the previous pass kept, so that
-K is not priced for tokens that will be evicted. Phase 2 re-solves the K blocks for the tokens the last
+K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
+eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
 number of tokens, so phase 1's V choice leaves room for it.
 """
