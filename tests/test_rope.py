@@ -88,3 +88,14 @@ def test_triton_decode_refuses_prerope_keys():
     layer = rdkv.compress(model, 0.3, prerope=True, **SMALL).layers[0]
     with pytest.raises(rdkv.RDKVError, match="pre-RoPE"):
         check(torch.zeros(1, 4, 1, 32), layer, None, None)
+
+
+def test_rope_whose_angles_are_not_position_times_frequency_is_refused():
+    model = tiny_llama()
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    rot = model.model.rotary_emb
+    plain = rot.forward
+    rot.forward = lambda x, pos: tuple(t * 1.1 for t in plain(x, pos))  # e.g. a sequence-dependent scaling
+    with pytest.raises(rdkv.RDKVError, match="not position x inv_freq"):
+        rdkv.compress(model, 0.3, prerope=True, **SMALL)
