@@ -20,14 +20,17 @@ Two distortion models:
   ~ v_t - o, but when a group of tokens holds most of a head's mass (secondary attention sinks, common
   in SmolLM2's early layers at 8k tokens), o is that group's own value, so ``evict_to="output"`` prices
   each member as free, and evicting the group together sends the output to the mean of the rest
-  (measured: 25% budget at 8k, KL 0.61 with 4% of tokens evicted, 0.0085 with none).
-  ``evict_to`` chooses u: ``"output"`` (o, the window queries' weighted mean value), ``"mean"`` (the
-  plain mean value of the layer: what a query falls back on), ``"max"`` (the larger error of the two),
-  ``"kept"`` (o in the first allocation pass, then the weighted mean of the tokens the previous pass
-  kept; costs only rise from pass to pass, see :mod:`rdkv.solvers.allocate`; ``cache.distortion`` still
-  reports the first pass's prices).
-  ``"heavy"`` (default): ``"max"`` for tokens holding more than ``HEAVY`` times the head's mean weight,
-  the only ones that can make up a dominant group, ``"output"`` for the rest.
+  (one 8k probe at a 25% budget: KL 0.61 with 4% of tokens evicted, 0.0085 with eviction off).
+  ``evict_to`` chooses u:
+
+  - ``"heavy"`` (default): ``"max"`` for tokens holding more than ``HEAVY`` times the head's mean
+    weight, the only ones that can make up a dominant group; ``"output"`` for the rest;
+  - ``"output"``: o, the window queries' weighted mean value (the default until 2026-11-29);
+  - ``"mean"``: the plain mean value of the layer, what a query falls back on;
+  - ``"max"``: the larger error of the two;
+  - ``"kept"``: o in the first allocation pass, then the weighted mean of the tokens the previous pass
+    kept; costs only rise from pass to pass (:mod:`rdkv.solvers.allocate`); ``cache.distortion``
+    still reports the first pass's prices.
 * ``"paper"``: RDKV's w * sigma * 2^-b for both, with w = sum_q p_qt for tokens and
   ||Q_c|| ||K_c|| / sqrt(d) for channels, each on its own scale.
 
