@@ -14,7 +14,9 @@ either axis, and measures the damage at the tensor and at the point of consumpti
 3. KIVI 2-bit (keys per-channel, values per-token) with the last 0/32/128 tokens kept full precision,
    and the four axis pairings: attention-output error of the last queries (both K and V quantized)
    and next-token KL of the whole model over a teacher-forced continuation;
-4. group size 32/64/128/whole along each axis (head_dim 64 on SmolLM2, 256 on Gemma 3).
+4. group size 32/64/128/whole along each axis (head_dim 64 on SmolLM2, 256 on Gemma 3);
+
+and (1b) keys per channel quantized before RoPE, as KVQuant does, against after it.
 
 "Per-token" groups run along the channels of one token (one scale per token and group), "per-channel"
 groups run along ``group`` consecutive tokens of one channel, from the first token (a trailing partial
@@ -44,6 +46,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import rdkv
 from rdkv.quant import fake_quantize
+from rdkv.rope import rope_table, rotate
 
 CAPTURE = "rdkv-mechanisms-capture"
 # The KIVI paper (Llama-2-13B, 2-bit, group 32), absolute errors as quoted in shared/METHOD.md.
@@ -235,7 +238,9 @@ def run_domain(model: Any, tok: Any, cap: Capture, domain: str, n: int, args: ar
     valued: dict[tuple, list[dict[str, float]]] = defaultdict(list)
     joint: dict[tuple, list[dict[str, float]]] = defaultdict(list)
     settings = configs(args.groups, D)
-    for x in tqdm(layers, desc=f"{domain} {n} layers", leave=False):
+    prerope: dict[tuple, list[dict[str, float]]] = defaultdict(list)
+    pos = torch.arange(n)
+    for i, x in enumerate(tqdm(layers, desc=f"{domain} {n} layers", leave=False)):
         ok = x.allowed()
         scores = x.logits(x.k)
         probs = scores.masked_fill(~ok, float("-inf")).softmax(-1)
@@ -244,6 +249,11 @@ def run_domain(model: Any, tok: Any, cap: Capture, domain: str, n: int, args: ar
         for axis, bits, g in settings:
             keyed[axis, bits, g].append(key_errors(x, fake_quant(x.k, bits, axis, g), scores, ref_out))
             valued[axis, bits, g].append(value_errors(x, fake_quant(x.v, bits, axis, g), probs))
+        table_i = rope_table(model, i, D, pos)  # KVQuant: per-channel groups on the keys before RoPE
+        k_pre = rotate(x.k, pos, table_i, inverse=True)
+        for bits in (2, 4):
+            k_hat = rotate(fake_quant(k_pre, bits, "channel", 32), pos, table_i)
+            prerope[bits].append(key_errors(x, k_hat, scores, ref_out))
         for ka, va in PAIRS:
             for w in args.windows if (ka, va) == PAIRS[0] else [0]:
                 k_hat, v_hat = (with_window(t, 2, a, 32, w) for t, a in ((x.k, ka), (x.v, va)))
@@ -258,7 +268,7 @@ def run_domain(model: Any, tok: Any, cap: Capture, domain: str, n: int, args: ar
             layer.keys = with_window(layer.keys, 2, ka, 32, w).to(layer.keys.dtype)
             layer.values = with_window(layer.values, 2, va, 32, w).to(layer.values.dtype)
         kls[ka, va, w] = kl(ref, forward(model, c, tail))
-    return {"keyed": keyed, "valued": valued, "joint": joint, "kls": kls, "check": check, "head_dim": D,
+    return {"keyed": keyed, "valued": valued, "joint": joint, "kls": kls, "prerope": prerope, "check": check, "head_dim": D,
             "layers": len(layers)}
 
 
@@ -283,6 +293,13 @@ def rows_for(domain: str, n: int, r: dict) -> dict[str, list[dict]]:
             out["groups"].append({**base, "values/scale": size, "key err": krow["key err"], "score err": s_mean, "K output err": k_out,
                                   "value err": vrow["value err"], "V output err": v_out})
     out["groups"].sort(key=lambda row: (row["axis"], row["values/scale"]))
+    for bits, runs in r["prerope"].items():
+        post = r["keyed"]["channel", bits, 32]
+        row = {"domain": domain, "T": n, "bits": bits}
+        for metric in ("key err", "score err", "output err"):
+            row[f"{metric} after RoPE"] = mean(d[metric] for d in post)
+            row[f"{metric} before RoPE"] = mean(d[metric] for d in runs)
+        out["prerope"].append(row)
     for ka, va, w in r["joint"]:
         m, spread = summarize(r["joint"], (ka, va, w), "output err")
         out["window"].append({"domain": domain, "T": n, "keys": name[ka], "values": name[va], "fp16 window": w,
@@ -379,6 +396,7 @@ def main() -> None:
     vcols = ["domain", "T", "axis", "bits", "group", "value err", "output err", "output err median / max"]
     gcols = ["domain", "T", "axis", "group", "values/scale", "key err", "score err", "K output err", "value err", "V output err"]
     wcols = ["domain", "T", "keys", "values", "fp16 window", "last-query output err", "median / max", "next-token KL"]
+    pcols = ["domain", "T", "bits"] + [f"{m} {w} RoPE" for m in ("key err", "score err", "output err") for w in ("after", "before")]
     md = (f"# Key/value quantization mechanisms at the point of consumption: {args.model} ({tag})\n\n{header(args)}\n"
           f"{info['layers']} layers, head_dim {info['head_dim']}; domains {args.domains}, contexts {args.contexts} "
           f"tokens, seed {args.seed}. Relative squared errors ||x̂ - x||² / ||x||² per layer and head, mean over "
@@ -387,6 +405,10 @@ def main() -> None:
           f"to a relative squared error of {max(checks):.1e}.\n\n"
           f"## 1. Keys: per-token vs per-channel (group 32)\n\nScore err: q·k·scaling over attendable positions; "
           f"output err: softmax(scores)·V with exact values.\n\n{table(parts['keys'], kcols)}\n\n"
+          f"## 1b. Keys per channel (group 32), quantized after RoPE (as cached) vs before it (KVQuant)\n\n"
+          f"Before RoPE: the cached keys are un-rotated with the model's own RoPE table (`rdkv.rope`), quantized, "
+          f"and rotated back; errors are measured on the rotated keys, as attention sees them (mean over "
+          f"layers).\n\n{table(parts['prerope'], pcols)}\n\n"
           f"## 2. Values: per-token vs per-channel (group 32)\n\nOutput err: true probabilities times quantized "
           f"values.\n\n{table(parts['values'], vcols)}\n\n"
           f"## Paper (KIVI, Llama-2-13B, 2-bit, group 32) vs ours\n\nThe paper's numbers are absolute errors on "
