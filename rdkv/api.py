@@ -208,6 +208,12 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return k, v, start
 
 
+def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
+    """Per-sequence bytes of one layer independent of the allocation, with ``prerope``'s RoPE table charged
+    to every sequence of the batch (conservative for batch > 1)."""
+    return fixed_bytes(heads, head_dim, cfg.spec) + (rope_bytes(head_dim) if cfg.prerope else 0)
+
+
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
     sums = layer_sums(st, cfg.weights, start)
     if cfg.prerope:
@@ -221,8 +227,7 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
         s = surprise[:, None, start:] * present
         prior = prior + cfg.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
     t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to)
-    if cfg.prerope:  # the RoPE table, charged to every sequence of the batch (conservative for B > 1)
-        t.fixed += rope_bytes(k.shape[-1])
+    t.fixed = _fixed(k.shape[1], k.shape[-1], cfg)
     pos = torch.arange(start, st.seen, device=k.device)
     first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
@@ -346,8 +351,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             distortion = modelled_distortion(tables, v_opt, k_opt)
             perms = [t.perm for t in tables]
         else:
-            fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec) + (rope_bytes(k.shape[-1]) if cfg.prerope else 0)
-                         for _, k, _, _, _ in held)] * len(fp16)
+            fixed = [sum(_fixed(k.shape[1], k.shape[-1], cfg) for _, k, _, _, _ in held)] * len(fp16)
             inputs = [LayerInput(k, p, layer_sums(st, "window", start).mass, start, st.seen)
                       for st, k, v, start, p in held]
             budgets = [budget * f if budget is not None else float("inf") for f in fp16]
