@@ -20,7 +20,8 @@ Two distortion models:
   ~ v_t - o, but when a group of tokens holds most of a head's mass (secondary attention sinks, common
   in SmolLM2's early layers at 8k tokens), o is that group's own value, so ``evict_to="output"`` prices
   each member as free, and evicting the group together sends the output to the mean of the rest
-  (one 8k probe at a 25% budget: KL 0.61 with 4% of tokens evicted, 0.0085 with eviction off).
+  (one 8k probe at a 25% budget: KL 0.61 with 4% of tokens evicted, 0.0085 with eviction off;
+  ``scripts/diag_eviction.py``).
   ``evict_to`` chooses u:
 
   - ``"heavy"`` (default): ``"max"`` for tokens holding more than ``HEAVY`` times the head's mean
