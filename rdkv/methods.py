@@ -28,6 +28,9 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-all": {"weights": "all"},  # needs rdkv.attach(model, all_queries=True)
     "rdkv-global": {"scope": "global"},
     "rdkv-pool": {"pool_weights": 7},  # SnapKV-style pooled weights: better when the question is in the prompt
+    # the question is in the prompt (query-aware): weigh only what its window asked for, no reserve for
+    # later questions (no floor, no surprisal prior)
+    "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-nofloor": {"floor": 0.0, "surprisal": 0.0},

@@ -8,7 +8,8 @@ each further pass (``passes``) re-solves with K charged for the tokens the previ
 K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
-number of tokens, so phase 1's V choice leaves room for it.
+number of tokens, so phase 1's V choice leaves room for it. Phase 3 re-solves V with those K widths
+fixed, each kept token charged its K row too, so bytes phase 2 could not use go to V.
 """
 from __future__ import annotations
 
@@ -35,19 +36,54 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         # at ~20x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
         choice = lagrangian(D, R, budget, swap=False)
         v_choice = choice[:nv].split([len(d) for d in dv])
-        v_widths, n_kept = [], []
-        for t, c in zip(tables, v_choice):
-            full = torch.zeros(t.present[b].shape, dtype=torch.long, device=dev)
-            full[t.present[b]] = c
-            v_widths.append(full)
-            n_kept.append((full > 0).sum(-1))
+        v_widths = _widths(tables, b, v_choice)
+        n_kept = [(full > 0).sum(-1) for full in v_widths]
         if p + 1 < passes:
             dv = [_reprice(t, b, d, full) for t, d, full in zip(tables, dv, v_widths)]
     spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
     rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
     k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
-    return v_widths, k_widths
+    return _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
+
+
+def _widths(tables: list, b: int, v_choice) -> list[torch.Tensor]:
+    """Per-layer option index of every V token [H, T] (0 where not present) from the flat choice."""
+    out = []
+    for t, c in zip(tables, v_choice):
+        full = torch.zeros(t.present[b].shape, dtype=torch.long, device=c.device)
+        full[t.present[b]] = c
+        out.append(full)
+    return out
+
+
+def _refill_v(tables: list, b: int, budget: float, dv: list, rv: list, v_choice, k_widths: list) -> list[torch.Tensor]:
+    """Phase 3: re-solve V with the K widths fixed, each kept token also charged its own K row.
+
+    The passes price K for the previous pass's kept count, which can swing from pass to pass (few kept,
+    so K is cheap, so many are kept, so K is dear); the last V choice can then leave bytes that K cannot
+    use. Here a stream's K bytes are bounded as fixed + n * per_token, with per_token = (rk(g) - rk(0)) / g
+    (codes plus group metadata spread over a group) and fixed = rk(1) - per_token, which holds for every
+    n >= 0 because ceil(n / g) <= (n + g - 1) / g. So the result always fits; phase 2's V choice is kept
+    when it models less distortion.
+    """
+    g = tables[0].spec.k_group
+    fixed, rates = 0.0, []
+    for t, kw, r in zip(tables, k_widths, rv):
+        one, grp, zero = (t.rk(torch.full(kw.shape[:1], n, device=kw.device)).gather(1, kw) for n in (1, g, 0))
+        per_token = (grp - zero) / g  # [H, nb]
+        fixed += float((one - per_token).sum())
+        head = torch.nonzero(t.present[b], as_tuple=True)[0]  # the stream of every present token
+        kept = (torch.arange(r.shape[1], device=r.device) > 0).double()  # width 0 stores no K row
+        rates.append(r + per_token.sum(1)[head].unsqueeze(1) * kept)
+    D, R = torch.cat(dv).double(), torch.cat(rates)
+    if float(torch.where(D.isfinite(), R, torch.inf).amin(1).sum()) > budget - fixed:
+        return _widths(tables, b, v_choice)
+    choice = lagrangian(D, R, budget - fixed, swap=False)
+    before = torch.cat(v_choice)
+    if float(D.gather(1, choice[:, None]).sum()) >= float(D.gather(1, before[:, None]).sum()):
+        return _widths(tables, b, v_choice)
+    return _widths(tables, b, choice.split([len(d) for d in dv]))
 
 
 def _reprice(t, b: int, dv: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""Allocation passes (rdkv.solvers.allocate): every byte of the budget is spent, and none beyond it."""
+import pytest
+import torch
+
+from conftest import SMALL
+from rdkv.attention import AttentionSums
+from rdkv.distortion import layer_tables
+from rdkv.solvers.allocate import allocate
+from rdkv.trizone import PackSpec
+
+SPEC = PackSpec(**SMALL)
+H, T, D = 2, 512, 32
+
+
+def peaked_layer(seed: int = 0):
+    """Tables of a layer whose window queries put almost all their mass on 5% of the tokens, with no
+    prior for unseen queries (a query-aware allocation): the rest are nearly free to evict."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    mass = torch.rand(1, H, T, generator=g) * 1e-4
+    hot = torch.randperm(T, generator=g)[: T // 20]
+    mass[..., hot] = 64 / len(hot) * (1 + torch.rand(len(hot), generator=g))
+    sums = AttentionSums(mass, mass.square() / 64, torch.ones(1, H, D) * 64, torch.tensor([64.0]))
+    return layer_tables(k, v, torch.ones(1, H, T, dtype=torch.bool), sums, D**-0.5, SPEC, T)
+
+
+def spent(t, v_opt: torch.Tensor, k_opt: torch.Tensor) -> float:
+    """Bytes the packed layer holds for these options (without the fixed part)."""
+    n = (v_opt[0] > 0).sum(-1)
+    return float(t.rv[v_opt[0]].sum() + t.rk(n).gather(1, k_opt[0]).sum())
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.1, 0.25])
+def test_peaked_weights_spend_the_budget(frac):
+    # Before phase 3 (V re-solved with K fixed), the passes swung between few and many kept tokens and the
+    # last V choice left bytes K could not use: this layer spent 97/49/16% of the budget at 5/10/25%
+    # (SmolLM2's query-aware 2k probe at 10%: 0.066 of fp16 instead of 0.1). Now 99.2/99.99/99.98%.
+    t = peaked_layer()
+    budget = frac * H * T * 4 * D
+    v, k = allocate([t], [budget + t.fixed], "layer", passes=3)
+    got = spent(t, v[0], k[0])
+    assert got <= budget
+    assert got >= 0.97 * budget
