@@ -8,14 +8,14 @@ each further pass (``passes``) re-solves with K charged for the tokens the previ
 K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
-number of tokens, so phase 1's V choice leaves room for it. Phase 3 re-solves V with those K widths
-fixed, each kept token charged its K row too, so bytes phase 2 could not use go to V.
+number of tokens, so phase 1's V choice leaves room for it. Phase 3 spends what is still left on V
+upgrades, with those K widths fixed and each newly kept token charged its K row too.
 """
 from __future__ import annotations
 
 import torch
 
-from .mckp import lagrangian
+from .mckp import _fill, cost, lagrangian
 
 
 def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -58,14 +58,17 @@ def _widths(tables: list, b: int, v_choice) -> list[torch.Tensor]:
 
 
 def _refill_v(tables: list, b: int, budget: float, dv: list, rv: list, v_choice, k_widths: list) -> list[torch.Tensor]:
-    """Phase 3: re-solve V with the K widths fixed, each kept token also charged its own K row.
+    """Phase 3: spend what phases 1-2 left on V upgrades, with the K widths fixed and each newly kept
+    token charged its K row too.
 
     The passes price K for the previous pass's kept count, which can swing from pass to pass (few kept,
-    so K is cheap, so many are kept, so K is dear); the last V choice can then leave bytes that K cannot
-    use. Here a stream's K bytes are bounded as fixed + n * per_token, with per_token = (rk(g) - rk(0)) / g
-    (codes plus group metadata spread over a group) and fixed = rk(1) - per_token, which holds for every
-    n >= 0 because ceil(n / g) <= (n + g - 1) / g. So the result always fits; phase 2's V choice is kept
-    when it models less distortion.
+    so K is cheap, so many are kept, so K is dear); the last V choice can then leave bytes K cannot use
+    (every block at 16 bits). A stream's K bytes are bounded as fixed + n * per_token, with
+    per_token = (rk(g) - rk(0)) / g (codes plus group metadata spread over a group) and
+    fixed = rk(1) - per_token, which holds for every n >= 0 since ceil(n / g) <= (n + g - 1) / g; so the
+    result always fits. Only upgrades: re-solving V from scratch under these prices evicts more, which
+    the model prices as cheaper than it is for questions the prefill did not ask (SmolLM2 4k agnostic
+    probe at 10%: KL 0.19 -> 0.37; prose perplexity at 10%: KL 0.13 -> 0.19).
     """
     g = tables[0].spec.k_group
     fixed, rates = 0.0, []
@@ -76,13 +79,9 @@ def _refill_v(tables: list, b: int, budget: float, dv: list, rv: list, v_choice,
         head = torch.nonzero(t.present[b], as_tuple=True)[0]  # the stream of every present token
         kept = (torch.arange(r.shape[1], device=r.device) > 0).double()  # width 0 stores no K row
         rates.append(r + per_token.sum(1)[head].unsqueeze(1) * kept)
-    D, R = torch.cat(dv).double(), torch.cat(rates)
-    if float(torch.where(D.isfinite(), R, torch.inf).amin(1).sum()) > budget - fixed:
-        return _widths(tables, b, v_choice)
-    choice = lagrangian(D, R, budget - fixed, swap=False)
-    before = torch.cat(v_choice)
-    if float(D.gather(1, choice[:, None]).sum()) >= float(D.gather(1, before[:, None]).sum()):
-        return _widths(tables, b, v_choice)
+    D, R, choice = torch.cat(dv).double(), torch.cat(rates), torch.cat(v_choice)
+    if cost(R, choice) <= budget - fixed:
+        choice = _fill(D, R, choice, budget - fixed)
     return _widths(tables, b, choice.split([len(d) for d in dv]))
 
 
