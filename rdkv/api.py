@@ -32,8 +32,8 @@ class CompressConfig:
     evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
     scope: str = "layer"  # "layer": a budget per layer; "global": one knapsack over all layers and heads
     passes: int = 3  # allocation passes: K is re-priced for the tokens the previous pass kept (solvers/allocate)
-    floor: float = 1.0  # prior attention a future query may put on any token (see rdkv.distortion)
-    surprisal: float = 3.0  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
+    floor: float = 0.0  # prior attention a future query may put on any token (see rdkv.distortion)
+    surprisal: float = 0.5  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
     pool: int = 7  # surprisal max-pool width (odd)
     pool_weights: int = 1  # max-pool width (odd) of the attention weights; 1 = none
     evict: bool = True  # False: every token keeps at least 2 bits

@@ -33,10 +33,10 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
-    "rdkv-nofloor": {"floor": 0.0, "surprisal": 0.0},
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
     "rdkv-noevict": {"evict": False},
-    "rdkv-nosurprisal": {"surprisal": 0.0},
+    "rdkv-noprior": {"surprisal": 0.0},  # no reserve for unseen questions at all
+    "rdkv-floor": {"floor": 1.0, "surprisal": 3.0},  # the prior before 2026-11-29 (uniform floor, surprisal 3)
     "rdkv-prerope": {"prerope": True},  # KVQuant's pre-RoPE keys (torch decode path only)
     # where an evicted token's mass is assumed to go (rdkv.distortion.EVICT_TO; the default is "heavy")
     "rdkv-evict-output": {"evict_to": "output"},  # the default until the 8k regression was traced to it

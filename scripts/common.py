@@ -7,6 +7,7 @@ import os
 import platform
 import time
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -22,13 +23,47 @@ DEFAULT_METHODS = ["rdkv", "rdkv-global", "rdkv-1pass", "rdkv-v0", "rdkv-paper",
 def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=rdkv.methods.METHODS, metavar="METHOD")
+    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, type=method_arg, metavar="METHOD",
+                    help="method names (rdkv.methods.METHODS), each optionally with CompressConfig overrides after "
+                         "a colon, e.g. rdkv:floor=0,surprisal=1 (a sweep is one command)")
     ap.add_argument("--budgets", type=float, nargs="+", default=budgets)
     ap.add_argument("--contexts", type=int, nargs="+", default=contexts)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a few-minute run on 2 cores")
     ap.add_argument("--tag", default=None, help="suffix of the result files (default: quick or full)")
     return ap
+
+
+def split_method(text: str) -> tuple[str, dict]:
+    """``"rdkv-pool:surprisal=1,k_group=256"`` -> ("rdkv-pool", {"surprisal": 1, "k_group": 256})."""
+    name, _, opts = text.partition(":")
+    if name not in rdkv.methods.METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}; choose one of {', '.join(rdkv.methods.METHODS)}")
+    known = ({f.name for f in fields(rdkv.CompressConfig)} - {"spec"}) | {f.name for f in fields(rdkv.PackSpec)}
+    overrides = {}
+    for item in filter(None, opts.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in known:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not KEY=VALUE with KEY one of {sorted(known)}")
+        overrides[key] = {"True": True, "False": False}.get(value, value)
+        for cast in (int, float):
+            try:
+                overrides[key] = cast(value)
+                break
+            except ValueError:
+                pass
+    return name, overrides
+
+
+def method_arg(text: str) -> str:
+    split_method(text)
+    return text
+
+
+def needs_all_queries(methods: list[str]) -> bool:
+    """Whether any method reads every prefill query (then ``rdkv.attach(model, all_queries=True)``)."""
+    return any({**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("weights") == "all"
+               for name, extra in map(split_method, methods))
 
 
 def header(args) -> str:
@@ -39,15 +74,16 @@ def header(args) -> str:
 
 def settings(method: str, budgets: list[float]) -> list[float | None]:
     """Fixed-rate baselines run once at their own size; the rest at every budget."""
-    return [None] if method in rdkv.methods.FIXED_RATE else budgets
+    return [None] if split_method(method)[0] in rdkv.methods.FIXED_RATE else budgets
 
 
 def compressions(model, methods: list[str], budgets: list[float], **options):
     """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped."""
     for m in methods:
+        name, extra = split_method(m)
         for b in settings(m, budgets):
             try:
-                yield m, b, rdkv.compress(model, b, method=m, **options)
+                yield m, b, rdkv.compress(model, b, method=name, **{**options, **extra})
             except rdkv.RDKVError as e:
                 print(f"  skip {m} @ {b}: {e}")
 

@@ -15,7 +15,7 @@ import copy
 import torch
 
 import rdkv
-from common import RESULTS, forward, header, kl, parser, probe_inputs, table
+from common import RESULTS, forward, header, kl, parser, probe_inputs, split_method, table
 
 
 def question_mass_on(st, evicted: torch.Tensor, n_q: int) -> float:
@@ -46,7 +46,8 @@ def main() -> None:
         runs = []
         for m in args.methods:
             for b in args.budgets:
-                c = rdkv.compress(model, b, method=m)
+                name, extra = split_method(m)
+                c = rdkv.compress(model, b, method=name, **extra)
                 runs.append((m, b, [(layer.v_widths()[0] == 0) for layer in c.layers], forward(model, c, tail)))
         ref = forward(model, copy.deepcopy(full), tail)  # records the question's queries
         for m, b, evicted, logits in runs:

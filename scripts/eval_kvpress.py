@@ -41,7 +41,8 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import answer_scores, forward, full_reference, header, kl, parser, probe_inputs, table, write  # noqa: E402
+from common import (answer_scores, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
+                    probe_inputs, split_method, table, write)
 
 PRESSES = {
     "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
@@ -101,9 +102,10 @@ def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch
 def rdkv_runs(model, methods: list[str], budgets: list[float], tail: torch.Tensor):
     """(method, budget, bytes/fp16, tokens kept, logits) for every rdkv method on the last prefill."""
     for m in methods:
+        name, extra = split_method(m)
         for b in budgets:
             try:
-                c = rdkv.compress(model, b, method=m)
+                c = rdkv.compress(model, b, method=name, **extra)
             except rdkv.RDKVError as e:
                 print(f"  skip {m} @ {b}: {e}")
                 continue
@@ -123,8 +125,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
-    if any(m in ("rdkv-all", "rdkv-paper") for m in args.methods):
-        ap.error("rdkv-all / rdkv-paper need attach(all_queries=True); not run here")
+    if needs_all_queries(args.methods):
+        ap.error("methods with weights='all' need attach(all_queries=True); not run here")
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import compressions, forward, full_reference, header, kl, parser, table, write
+from common import compressions, forward, full_reference, header, kl, needs_all_queries, parser, table, write
 
 
 def domain_text(name: str) -> str:
@@ -67,7 +67,7 @@ def main() -> None:
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model, all_queries=any(m in ("rdkv-all", "rdkv-paper") for m in args.methods))
+    rdkv.attach(model, all_queries=needs_all_queries(args.methods))
     rows = []
     for domain in tqdm(args.domains, desc="domains"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids

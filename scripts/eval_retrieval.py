@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import answer_scores, compressions, forward, full_reference, header, kl, parser, probe_inputs, table, write
+from common import (answer_scores, compressions, forward, full_reference, header, kl, needs_all_queries, parser,
+                    probe_inputs, table, write)
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model, all_queries=any(m in ("rdkv-all", "rdkv-paper") for m in args.methods))
+    rdkv.attach(model, all_queries=needs_all_queries(args.methods))
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
     jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]

@@ -1,7 +1,9 @@
 """The experiment harness (scripts/common.py) on a tiny model: scores, skips and tables."""
+import argparse
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import rdkv
@@ -31,3 +33,19 @@ def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit(
     assert all(r <= 0.3 for m, b, r in got if b) and got[-1][2] > 0.5
     md = common.table([{"method": m, "budget": b, "bytes/fp16": r} for m, b, r in got], ["method", "budget", "bytes/fp16"])
     assert md.count("\n") == 4 and "| int8 | None |" in md
+
+
+def test_method_overrides_reach_compress_and_bad_ones_are_refused():
+    model = tiny_llama(7)
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    assert common.split_method("rdkv-pool:surprisal=1,k_group=32,evict=False") == (
+        "rdkv-pool", {"surprisal": 1, "k_group": 32, "evict": False})
+    runs = common.compressions(model, ["rdkv", "rdkv:evict=False"], [0.12], v_group=32, k_group=32, k_block=16)
+    (_, _, plain), (_, _, kept) = list(runs)
+    assert (plain.layers[0].v_widths() == 0).any()  # at 12% the default evicts some tokens
+    assert (kept.layers[0].v_widths() > 0).all()  # evict=False reached compress
+    assert common.needs_all_queries(["rdkv:weights=all"]) and not common.needs_all_queries(["rdkv", "snapkv"])
+    for bad in ("nope", "rdkv:flor=1", "rdkv:floor", "rdkv:spec=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.split_method(bad)
