@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .mckp import _fill, cost, lagrangian
+from .mckp import cost, fill_slack, lagrangian
 
 
 def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -81,7 +81,7 @@ def _refill_v(tables: list, b: int, budget: float, dv: list, rv: list, v_choice,
         rates.append(r + per_token.sum(1)[head].unsqueeze(1) * kept)
     D, R, choice = torch.cat(dv).double(), torch.cat(rates), torch.cat(v_choice)
     if cost(R, choice) <= budget - fixed:
-        choice = _fill(D, R, choice, budget - fixed)
+        choice = fill_slack(D, R, choice, budget - fixed)
     return _widths(tables, b, choice.split([len(d) for d in dv]))
 
 

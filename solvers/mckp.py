@@ -67,7 +67,7 @@ def moves(D: torch.Tensor, R: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tens
     return at(D, c) - D, R - at(R, c)
 
 
-def _fill(D: torch.Tensor, R: torch.Tensor, choice: torch.Tensor, budget: float) -> torch.Tensor:
+def fill_slack(D: torch.Tensor, R: torch.Tensor, choice: torch.Tensor, budget: float) -> torch.Tensor:
     """Spend the slack: per unit take the upgrade (lower D, higher R, fits) with the best distortion
     saved per byte, and apply the best-ranked prefix that fits; repeat a few rounds."""
     for _ in range(8):
@@ -148,7 +148,7 @@ def _solve(D: torch.Tensor, R: torch.Tensor, budget: float) -> torch.Tensor:
             else:
                 lo = mid
 
-    return _fill(D, R, choice, budget)
+    return fill_slack(D, R, choice, budget)
 
 
 def lagrangian(D: Array, R: Array, budget: float, swap: bool = True) -> Array:
