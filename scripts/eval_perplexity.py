@@ -15,6 +15,7 @@ zone C reaching R + keep, and the table reports the bytes held at the end of the
 """
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 import math
@@ -54,10 +55,21 @@ def continue_through(model, cache, tail: torch.Tensor, fold: int, step: int) -> 
     return torch.cat([forward(model, cache, tail[:, a : a + step]) for a in range(0, tail.shape[1], step)])
 
 
+def windows(length: int, span: int, count: int) -> list[int]:
+    """Start offsets of ``count`` windows of ``span`` tokens spread evenly over ``length`` tokens (they
+    overlap only when the text is shorter than count * span)."""
+    if length < span:
+        return []
+    last = length - span
+    return sorted({round(i * last / (count - 1)) for i in range(count)}) if count > 1 else [0]
+
+
 def main() -> None:
     ap = parser(__doc__, [0.05, 0.1, 0.25, 0.5], [1024])
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--domains", nargs="+", default=["prose", "code", "legal"])
+    ap.add_argument("--windows", type=int, default=1,
+                    help="prefix + continuation windows per domain, spread over the text; scores are means over them")
     ap.add_argument("--fold", type=int, nargs="+", default=[0], help="zone-C fold sizes to compare (0 = never)")
     ap.add_argument("--step", type=int, default=16, help="tokens per forward when folding")
     args = ap.parse_args()
@@ -68,43 +80,52 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
-    rows = []
+    raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
     for domain in tqdm(args.domains, desc="domains"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         for n in args.contexts:
-            if ids.shape[1] < n + args.continuation + 1:
+            starts = windows(ids.shape[1], n + args.continuation + 1, args.windows)
+            if not starts:
                 print(f"  skip {domain} @ {n}: only {ids.shape[1]} tokens")
                 continue
-            prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
-            targets = ids[0, n + 1 : n + args.continuation + 1]
-            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-            runs = []
-            for m, b, c in compressions(model, args.methods, args.budgets):
-                # a plain fp16 cache of the same layers after the continuation
-                ratio = c.nbytes / c.fp16_bytes
-                fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)
-                for i, fold in enumerate(args.fold):
-                    cache = c if i == len(args.fold) - 1 else copy.deepcopy(c)
-                    logits = continue_through(model, cache, tail, fold, args.step)
-                    runs.append((m, b, fold, ratio, cache.nbytes / fp16_end, logits))
-            ref = full_reference(model, full_cache, tail)
-            base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
-            for m, b, fold, ratio, end_ratio, logits in runs:
-                cur = nll(logits, targets)
-                rows.append({"domain": domain, "context": n, "method": m, "budget": "-" if b is None else b,
-                             "fold": fold or "-", "bytes/fp16": ratio, "bytes/fp16 at end": end_ratio,
-                             "ppl": math.exp(cur), "ppl increase %": 100 * (math.exp(cur - base) - 1),
-                             "KL": kl(ref, logits), "protocol": domain})
-            rows.append({"domain": domain, "context": n, "method": "full", "budget": 1.0, "fold": "-", "bytes/fp16": 1.0,
-                         "bytes/fp16 at end": 1.0,
-                         "ppl": math.exp(base), "ppl increase %": 0.0, "KL": 0.0, "protocol": domain})
+            for a in starts:
+                prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
+                targets = ids[0, a + n + 1 : a + n + args.continuation + 1]
+                full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+                runs = []
+                for m, b, c in compressions(model, args.methods, args.budgets):
+                    # a plain fp16 cache of the same layers after the continuation
+                    ratio = c.nbytes / c.fp16_bytes
+                    fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)
+                    for i, fold in enumerate(args.fold):
+                        cache = c if i == len(args.fold) - 1 else copy.deepcopy(c)
+                        logits = continue_through(model, cache, tail, fold, args.step)
+                        runs.append((m, b, fold, ratio, cache.nbytes / fp16_end, logits))
+                ref = full_reference(model, full_cache, tail)
+                base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
+                raw[domain, n, "full", 1.0, 0].append(dict(ratio=1.0, end=1.0, nll=base, base=base, kl=0.0))
+                for m, b, fold, ratio, end_ratio, logits in runs:
+                    raw[domain, n, m, b, fold].append(dict(ratio=ratio, end=end_ratio, nll=nll(logits, targets),
+                                                           base=base, kl=kl(ref, logits)))
+    rows = []
+    for (domain, n, m, b, fold), rs in raw.items():
+        mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731
+        rows.append({"domain": domain, "context": n, "method": m, "budget": "-" if b is None else b,
+                     "fold": fold or "-", "bytes/fp16": mean("ratio"), "bytes/fp16 at end": mean("end"),
+                     "ppl": math.exp(mean("nll")), "ppl increase %": 100 * (math.exp(mean("nll") - mean("base")) - 1),
+                     "KL": mean("kl"), "windows": len(rs), "protocol": domain})
+    rows.sort(key=lambda r: (args.domains.index(r["domain"]), r["context"], r["method"] == "full"))
     cols = ["domain", "context", "method", "budget", "bytes/fp16", "ppl", "ppl increase %", "KL"]
+    if args.windows > 1:
+        cols.append("windows")
     if args.fold != [0]:
         cols[4:4] = ["fold"]
         cols[6:6] = ["bytes/fp16 at end"]
     name = f"perplexity_{args.model}_{tag}"
     md = (f"# Perplexity through the compressed cache: {args.model} ({tag})\n\n{header(args)}\n"
-          f"Prefill N tokens, compress, teacher-force the next {args.continuation}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
+          f"Prefill N tokens, compress, teacher-force the next {args.continuation}"
+          f"{f'; {args.windows} windows per domain spread over its text, scores averaged over them (ppl from the mean NLL)' if args.windows > 1 else ''}."
+          f"\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
     write(name, md, rows, ["ppl increase %", "KL"], args.model)
 
 
