@@ -74,14 +74,14 @@ def header(args) -> str:
 
 def settings(method: str, budgets: list[float]) -> list[float | None]:
     """Fixed-rate baselines run once at their own size; the rest at every budget."""
-    return [None] if split_method(method)[0] in rdkv.methods.FIXED_RATE else budgets
+    return [None] if method in rdkv.methods.FIXED_RATE else budgets
 
 
 def compressions(model, methods: list[str], budgets: list[float], **options):
     """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped."""
     for m in methods:
         name, extra = split_method(m)
-        for b in settings(m, budgets):
+        for b in settings(name, budgets):
             try:
                 yield m, b, rdkv.compress(model, b, method=name, **{**options, **extra})
             except rdkv.RDKVError as e:
