@@ -55,8 +55,6 @@ def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[tor
 
 def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Option indices of a compressed cache's widths, in the tables' units (positions, channel blocks)."""
-    lookup = torch.full((max(quant.WIDTHS) + 1,), -1, dtype=torch.long)
-    lookup[list(quant.WIDTHS)] = torch.arange(len(quant.WIDTHS))
     v_opt, k_opt = [], []
     for i, (layer, t) in enumerate(zip(cache.layers, tables)):
         vw = layer.v_widths().to(t.dv.device)
@@ -67,8 +65,8 @@ def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list
         if (kw != kw[..., :1]).any():
             raise RDKVError(f"layer {i}: the cache's K blocks are not the allocator's blocks (a baseline, or another "
                             "prefill); its modelled distortion is not defined")
-        v_opt.append(lookup.to(vw.device)[vw])
-        k_opt.append(lookup.to(kw.device)[kw[..., 0]])
+        v_opt.append(quant.option_of(vw))
+        k_opt.append(quant.option_of(kw[..., 0]))
     return v_opt, k_opt
 
 

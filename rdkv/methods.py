@@ -45,7 +45,6 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-evict-kept": {"evict_to": "kept"},
     "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "surprisal": 0.0, "sinks": 0, "recent": 0},
 }
-OPT = {w: i for i, w in enumerate(quant.WIDTHS)}
 
 
 @dataclass
@@ -67,9 +66,9 @@ def _uniform(v_width: int, k_width: int, recent: int = 0) -> Callable:
         v, k = [], []
         for L in layers:
             pos = torch.arange(L.start, L.end, device=L.k.device)
-            w = torch.where(pos >= L.end - recent, OPT[16], OPT[v_width]).expand_as(L.present)
-            v.append(torch.where(L.present, w, OPT[0]))
-            k.append(torch.full((*L.present.shape[:2], L.k.shape[-1] // kb), OPT[k_width], device=L.k.device))
+            w = torch.where(pos >= L.end - recent, quant.OPTION[16], quant.OPTION[v_width]).expand_as(L.present)
+            v.append(torch.where(L.present, w, quant.OPTION[0]))
+            k.append(torch.full((*L.present.shape[:2], L.k.shape[-1] // kb), quant.OPTION[k_width], device=L.k.device))
         return v, k
     return allocate
 
@@ -105,8 +104,8 @@ def _evict(score_fn: Callable, adaptive: bool = False, window: int = 0) -> Calla
                 else:
                     keep[b].scatter_(-1, score[b].topk(c, -1).indices, True)
             keep &= L.present
-            v.append(torch.where(keep, OPT[16], OPT[0]))
-            k.append(torch.full((B, H, L.k.shape[-1] // kb), OPT[16], device=score.device))
+            v.append(torch.where(keep, quant.OPTION[16], quant.OPTION[0]))
+            k.append(torch.full((B, H, L.k.shape[-1] // kb), quant.OPTION[16], device=score.device))
         return v, k
     return allocate
 

@@ -12,10 +12,18 @@ import torch
 from .errors import RDKVError
 
 WIDTHS = (0, 2, 4, 8, 16)
+OPTION = {w: i for i, w in enumerate(WIDTHS)}  # width -> option index, the solver's unit
 PACKED = (2, 4, 8)
 META_DTYPE = torch.float16
 META_BYTES = 2 * 2  # one fp16 scale + one fp16 zero point per group
 FP16_MAX = 65504.0
+
+
+def option_of(widths: torch.Tensor) -> torch.Tensor:
+    """Option indices (into ``WIDTHS``) of a tensor of widths; -1 for a width that is not an option."""
+    lookup = torch.full((max(WIDTHS) + 1,), -1, dtype=torch.long, device=widths.device)
+    lookup[list(WIDTHS)] = torch.arange(len(WIDTHS), device=widths.device)
+    return lookup[widths.long()]
 
 
 def scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         tg_full = bench(g_full) if g_full else None
         del g_full
         full_bytes = 2 * k_full.numel() * k_full.element_size()
-        del k_full, v_full
+        k_full = v_full = None  # free them before the compressed runs (the closure above reads these names)
         for budget in budgets:
             layer, ratio = calibrated_layer(B, T, budget, dev)
             scaling = D ** -0.5
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                   + (f"  deq {r['deq_sdpa_us']:9.1f} us" if t_deq else "")
                   + (f"  graph {r['trizone_graph_us']:.1f} vs {r['sdpa_full_graph_us']:.1f} us" if tg_tz and tg_full else "")
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
-            del layer
+            layer = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     lines = [f"# TriZone decode benchmark ({name}, {'fused Triton kernel' if dev.type == 'cuda' else 'torch reference'})", "",

@@ -41,8 +41,8 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import (answer_scores, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
-                    probe_inputs, split_method, table, write)
+from common import (answer_scores, compressions, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
+                    probe_inputs, table, write)
 
 PRESSES = {
     "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
@@ -101,23 +101,15 @@ def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch
 
 def rdkv_runs(model, methods: list[str], budgets: list[float], tail: torch.Tensor):
     """(method, budget, bytes/fp16, tokens kept, logits) for every rdkv method on the last prefill."""
-    for m in methods:
-        name, extra = split_method(m)
-        for b in budgets:
-            try:
-                c = rdkv.compress(model, b, method=name, **extra)
-            except rdkv.RDKVError as e:
-                print(f"  skip {m} @ {b}: {e}")
-                continue
-            ratio = c.nbytes / c.fp16_bytes
-            kept = sum(int(layer.kept.sum()) for layer in c.layers)
-            kept /= sum(layer.batch * layer.heads * (layer.prefix_len - layer.start) for layer in c.layers)
-            yield m, b, ratio, kept, forward(model, c, tail)
+    for m, b, c in compressions(model, methods, budgets):
+        kept = sum(int(layer.kept.sum()) for layer in c.layers)
+        kept /= sum(layer.batch * layer.heads * (layer.prefix_len - layer.start) for layer in c.layers)
+        yield m, b, c.nbytes / c.fp16_bytes, kept, forward(model, c, tail)
 
 
 def main() -> None:
     ap = parser(__doc__, [0.025, 0.05, 0.1, 0.25, 0.5], [1000, 2000])
-    ap.set_defaults(methods=["rdkv", "rdkv-pool", "snapkv", "adakv", "streaming", "knorm"])
+    ap.set_defaults(methods=["rdkv", "rdkv-aware", "rdkv-pool", "snapkv", "adakv", "streaming", "knorm"])
     ap.add_argument("--presses", nargs="+", default=list(PRESSES), choices=list(PRESSES),
                     help="kvpress presses to run (default: all)")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
@@ -175,14 +167,14 @@ def main() -> None:
     for (protocol, source, m, b), rs in raw.items():
         label = m if source != "kvpress" else f"kvpress:{m}"
         ideals = [r["ideal"] for r in rs if r["ideal"] is not None]
-        rows.append({"protocol": protocol, "method": label, "source": source, "budget": b,
+        rows.append({"protocol": protocol, "method": label, "source": source, "budget": "-" if b is None else b,
                      "bytes/fp16": mean(rs, "ratio"), "tokens kept": mean(rs, "kept"),
                      "ideal ragged (not held)": sum(ideals) / len(ideals) if ideals else "-",
                      "EM": mean(rs, "em"), "NLL": mean(rs, "nll"), "KL": mean(rs, "kl"),
                      "EM by depth": " ".join(str(sum(r["em"] for r in rs if r["depth"] == d)) for d in args.depths),
                      "probes": len(rs)})
     order = {"-": 0, "rdkv": 1, "kvpress": 2}
-    rows.sort(key=lambda r: (r["protocol"], order[r["source"]], r["method"], r["budget"]))
+    rows.sort(key=lambda r: (r["protocol"], order[r["source"]], r["method"], r["bytes/fp16"]))
     cols = ["protocol", "method", "budget", "bytes/fp16", "tokens kept", "ideal ragged (not held)", "EM", "NLL",
             "KL", "EM by depth", "probes"]
     name = f"kvpress_{args.model}_{tag}"
