@@ -119,12 +119,27 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def answer_scores(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[float, bool]:
-    """(NLL of the answer tokens, exact match of their argmax) for the last ``n_ans`` tail tokens."""
+def answer_scores(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[float, bool, float]:
+    """(NLL, exact match of the argmax, margin) of the last ``n_ans`` tail tokens.
+
+    The margin is the smallest, over answer tokens, of the answer's logit minus the best other logit:
+    negative exactly when EM fails, and near 0 for a probe that any small perturbation flips.
+    """
     pred = logits[-n_ans - 1 : -1]
     target = tail[0, -n_ans:]
     nll = float(-pred.log_softmax(-1).gather(1, target[:, None]).sum())
-    return nll, bool(torch.equal(pred.argmax(-1), target))
+    hit = pred.gather(1, target[:, None])[:, 0]
+    rival = pred.scatter(1, target[:, None], float("-inf")).amax(-1)
+    return nll, bool(torch.equal(pred.argmax(-1), target)), float((hit - rival).min())
+
+
+def by_depth(rs: list[dict], depths: list[float]) -> str:
+    """Mean answer margin per depth over a cell's probes, e.g. ``+0.35 +1.7 -2.1``."""
+    out = []
+    for d in depths:
+        ms = [r["margin"] for r in rs if r["depth"] == d]
+        out.append(f"{sum(ms) / len(ms):+.2g}" if ms else "-")
+    return " ".join(out)
 
 
 def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> None:

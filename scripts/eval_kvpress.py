@@ -41,7 +41,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import (answer_scores, compressions, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
+from common import (answer_scores, by_depth, compressions, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
                     probe_inputs, table, write)
 
 PRESSES = {
@@ -157,8 +157,8 @@ def main() -> None:
                 bar.update()
 
         for source, m, b, ratio, kept, logits in runs:
-            nll, em = answer_scores(logits, tail, n_ans)
-            raw[protocol, source, m, b].append(dict(ratio=ratio, kept=kept, nll=nll, em=em, kl=kl(ref, logits),
+            nll, em, margin = answer_scores(logits, tail, n_ans)
+            raw[protocol, source, m, b].append(dict(ratio=ratio, kept=kept, nll=nll, em=em, margin=margin, kl=kl(ref, logits),
                                                     depth=depth, n=n, ideal=extra.get((source, m, b))))
     bar.close()
 
@@ -172,16 +172,17 @@ def main() -> None:
                      "ideal ragged (not held)": sum(ideals) / len(ideals) if ideals else "-",
                      "EM": mean(rs, "em"), "NLL": mean(rs, "nll"), "KL": mean(rs, "kl"),
                      "EM by depth": " ".join(str(sum(r["em"] for r in rs if r["depth"] == d)) for d in args.depths),
+                     "margin by depth": by_depth(rs, args.depths),
                      "probes": len(rs)})
     order = {"-": 0, "rdkv": 1, "kvpress": 2}
     rows.sort(key=lambda r: (r["protocol"], order[r["source"]], r["method"], r["bytes/fp16"]))
     cols = ["protocol", "method", "budget", "bytes/fp16", "tokens kept", "ideal ragged (not held)", "EM", "NLL",
-            "KL", "EM by depth", "probes"]
+            "KL", "EM by depth", "margin by depth", "probes"]
     name = f"kvpress_{args.model}_{tag}"
     md = (f"# kvpress presses and rdkv on the retrieval probes: {args.model} ({tag})\n\n"
           f"{header(args).rstrip()}, kvpress {version('kvpress')}\n\n"
           f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
-          f"contexts), seed {args.seed}. Rows `kvpress:*` are NVIDIA kvpress's presses (prefill under the press, "
+          f"contexts; margin by depth is their mean answer margin: see common.answer_scores), seed {args.seed}. Rows `kvpress:*` are NVIDIA kvpress's presses (prefill under the press, "
           f"tail fed without it); the other rows are rdkv's methods (`snapkv`, `adakv`, `streaming`, `knorm` are "
           f"rdkv's re-implementations, packed and charged by rdkv). `bytes/fp16` is what each cache holds after "
           f"prefill over the uncompressed fp16 cache; for kvpress that is its K/V tensors at 2 bytes per element. "

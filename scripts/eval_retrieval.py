@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (answer_scores, compressions, forward, full_reference, header, kl, needs_all_queries, parser,
+from common import (answer_scores, by_depth, compressions, forward, full_reference, header, kl, needs_all_queries, parser,
                     probe_inputs, table, write)
 
 
@@ -42,8 +42,8 @@ def main() -> None:
         ref = full_reference(model, full_cache, tail)
         runs.append(("full", 1.0, 1.0, ref))
         for m, b, ratio, logits in runs:
-            nll, em = answer_scores(logits, tail, n_ans)
-            raw[protocol, m, b].append(dict(ratio=ratio, nll=nll, em=em, kl=kl(ref, logits), depth=depth, n=n))
+            nll, em, margin = answer_scores(logits, tail, n_ans)
+            raw[protocol, m, b].append(dict(ratio=ratio, nll=nll, em=em, margin=margin, kl=kl(ref, logits), depth=depth, n=n))
 
     rows = []
     for (protocol, m, b), rs in raw.items():
@@ -52,13 +52,14 @@ def main() -> None:
                      "EM": sum(r["em"] for r in rs) / len(rs), "NLL": sum(r["nll"] for r in rs) / len(rs),
                      "KL": sum(r["kl"] for r in rs) / len(rs),
                      "EM by depth": " ".join(str(sum(r["em"] for r in rs if r["depth"] == d)) for d in args.depths),
+                     "margin by depth": by_depth(rs, args.depths),
                      "probes": len(rs)})
     rows.sort(key=lambda r: (r["protocol"], r["method"] != "full", r["method"], r["bytes/fp16"]))
-    cols = ["protocol", "method", "budget", "bytes/fp16", "EM", "NLL", "KL", "EM by depth", "probes"]
+    cols = ["protocol", "method", "budget", "bytes/fp16", "EM", "NLL", "KL", "EM by depth", "margin by depth", "probes"]
     name = f"retrieval_{args.model}_{tag}"
     md = (f"# Retrieval at equal bytes: {args.model} ({tag})\n\n{header(args)}\n"
           f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
-          f"contexts), seed {args.seed}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
+          f"contexts; margin by depth is their mean answer margin: see common.answer_scores), seed {args.seed}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
     write(name, md, rows, ["EM", "KL"], args.model)
 
 

@@ -16,8 +16,11 @@ import common  # noqa: E402
 def test_scores_and_kl():
     logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
     tail = torch.tensor([[0, 1, 2]])
-    nll, em = common.answer_scores(logits, tail, 2)  # position 0 predicts 1, position 1 predicts 2
-    assert em and abs(nll - 2 * float(-logits[0].log_softmax(-1)[1])) < 1e-6
+    nll, em, margin = common.answer_scores(logits, tail, 2)  # position 0 predicts 1, position 1 predicts 2
+    assert em and abs(nll - 2 * float(-logits[0].log_softmax(-1)[1])) < 1e-6 and margin == 5.0
+    logits[1, 1] = 5.5  # position 1 now prefers token 1 to the answer 2 by 0.5
+    nll, em, margin = common.answer_scores(logits, tail, 2)
+    assert not em and margin == -0.5
     assert common.kl(logits, logits) == 0.0
     assert common.kl(logits, logits.flip(0)) > 1.0
 
