@@ -119,18 +119,19 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def answer_scores(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[float, bool, float]:
-    """(NLL, exact match of the argmax, margin) of the last ``n_ans`` tail tokens.
+def token_margins(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer token (the last ``n_ans`` of ``tail``): its logit minus the best other token's, and that
+    rival's id. Negative exactly where the argmax misses; near 0 where any small perturbation flips it."""
+    pred, target = logits[-n_ans - 1 : -1], tail[0, -n_ans:]
+    rival = pred.scatter(1, target[:, None], float("-inf")).max(-1)
+    return pred.gather(1, target[:, None])[:, 0] - rival.values, rival.indices
 
-    The margin is the smallest, over answer tokens, of the answer's logit minus the best other logit:
-    negative exactly when EM fails, and near 0 for a probe that any small perturbation flips.
-    """
-    pred = logits[-n_ans - 1 : -1]
-    target = tail[0, -n_ans:]
+
+def answer_scores(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[float, bool, float]:
+    """(NLL, exact match of the argmax, smallest token margin) of the last ``n_ans`` tail tokens."""
+    pred, target = logits[-n_ans - 1 : -1], tail[0, -n_ans:]
     nll = float(-pred.log_softmax(-1).gather(1, target[:, None]).sum())
-    hit = pred.gather(1, target[:, None])[:, 0]
-    rival = pred.scatter(1, target[:, None], float("-inf")).amax(-1)
-    return nll, bool(torch.equal(pred.argmax(-1), target)), float((hit - rival).min())
+    return nll, bool(torch.equal(pred.argmax(-1), target)), float(token_margins(logits, tail, n_ans)[0].min())
 
 
 def by_depth(rs: list[dict], depths: list[float]) -> str:

@@ -24,19 +24,22 @@ from common import (answer_scores, by_depth, compressions, forward, full_referen
 def main() -> None:
     ap = parser(__doc__, [0.025, 0.05, 0.1, 0.25, 0.5], [1000, 2000, 4000])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="one probe per seed (its own needle and filler), context and depth; default: --seed")
     ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
     tag = args.tag or ("quick" if args.quick else "full")
+    seeds = args.seeds or [args.seed]
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
-    jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
-    for n, depth, protocol in tqdm(jobs, desc="prefills"):
-        prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, args.seed)
+    jobs = [(n, d, s, p) for n in args.contexts for d in args.depths for s in seeds for p in args.protocols]
+    for n, depth, seed, protocol in tqdm(jobs, desc="prefills"):
+        prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, seed)
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
         runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets)]
         ref = full_reference(model, full_cache, tail)
@@ -59,7 +62,7 @@ def main() -> None:
     name = f"retrieval_{args.model}_{tag}"
     md = (f"# Retrieval at equal bytes: {args.model} ({tag})\n\n{header(args)}\n"
           f"Contexts {args.contexts} tokens, depths {args.depths} (EM by depth counts correct probes per depth over "
-          f"contexts; margin by depth is their mean answer margin: see common.answer_scores), seed {args.seed}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
+          f"contexts and seeds; margin by depth is their mean answer margin: see common.answer_scores), seeds {seeds}.\n\n{table(rows, cols)}\n\n![plot]({name}.png)\n")
     write(name, md, rows, ["EM", "KL"], args.model)
 
 
