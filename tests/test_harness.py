@@ -21,6 +21,8 @@ def test_scores_and_kl():
     logits[1, 1] = 5.5  # position 1 now prefers token 1 to the answer 2 by 0.5
     nll, em, margin = common.answer_scores(logits, tail, 2)
     assert not em and margin == -0.5
+    probes = [{"depth": 0.1, "margin": 1.0}, {"depth": 0.1, "margin": -0.5}, {"depth": 0.5, "margin": 2.0}]
+    assert common.by_depth(probes, [0.1, 0.5, 0.9]) == "+0.25 +2 -"  # mean per depth; no probe at 0.9
     assert common.kl(logits, logits) == 0.0
     assert common.kl(logits, logits.flip(0)) > 1.0
 
