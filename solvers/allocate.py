@@ -32,8 +32,8 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         rk = [t.rk(n).clamp_min(2.0 * t.spec.k_block).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
         R = torch.cat([torch.cat(rv), torch.cat(rk)])
-        # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -2..+2%
-        # at ~20x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
+        # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -1.7..+4.6%
+        # at 21-70x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
         choice = lagrangian(D, R, budget, swap=False)
         v_choice = choice[:nv].split([len(d) for d in dv])
         v_widths = _widths(tables, b, v_choice)
