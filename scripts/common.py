@@ -174,11 +174,16 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
     fig.savefig(path, dpi=110)
 
 
-def write(name: str, md: str, rows: list[dict], ys: list[str], title: str) -> None:
-    """Print the markdown, and save it with its quality-vs-bytes plot under docs/results/."""
+def publish(name: str, md: str) -> None:
+    """Print the markdown and save it as docs/results/<name>.md."""
     print(md)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(md)
+
+
+def write(name: str, md: str, rows: list[dict], ys: list[str], title: str) -> None:
+    """Print the markdown, and save it with its quality-vs-bytes plot under docs/results/."""
+    publish(name, md)
     plot([r for r in rows if r["method"] != "full"], "bytes/fp16", ys, RESULTS / f"{name}.png", title)
 
 

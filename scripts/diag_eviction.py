@@ -15,7 +15,7 @@ import copy
 import torch
 
 import rdkv
-from common import RESULTS, forward, header, kl, parser, probe_inputs, split_method, table
+from common import forward, header, kl, parser, probe_inputs, publish, split_method, table
 
 
 def question_mass_on(st, evicted: torch.Tensor, n_q: int) -> float:
@@ -63,8 +63,7 @@ def main() -> None:
     name = f"eviction_{args.model}_{args.tag or 'diag'}"
     md = (f"# Where the question's attention goes after eviction: {args.model}\n\n{header(args)}\n"
           f"Needle at depth {args.depth}, question after compression, seed {args.seed}.\n\n{table(rows, cols)}\n")
-    print(md)
-    (RESULTS / f"{name}.md").write_text(md)
+    publish(name, md)
 
 
 if __name__ == "__main__":

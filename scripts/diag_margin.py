@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import rdkv
-from common import RESULTS, compressions, forward, full_reference, header, parser, probe_inputs, table, token_margins
+from common import compressions, forward, full_reference, header, parser, probe_inputs, publish, table, token_margins
 
 
 def main() -> None:
@@ -40,13 +40,12 @@ def main() -> None:
                              "budget": "-" if b is None else b, "bytes/fp16": ratio,
                              "margins": " ".join(f"{x:+.2f}" for x in margins),
                              "lost to": " ".join(repr(tok.decode(r)) for x, r in zip(margins, rivals) if x < 0) or "-"})
-    md = (f"# Answer-token margins: {args.model} ({args.tag or 'quick'}, {args.protocol})\n\n{header(args)}\n"
+    tag = args.tag or "quick"
+    md = (f"# Answer-token margins: {args.model} ({tag}, {args.protocol})\n\n{header(args)}\n"
           f"Margin = answer logit minus the best rival's, per answer token (negative = exact match lost, to "
           f"the rival in 'lost to'). Seed {args.seed}.\n\n"
           f"{table(rows, ['context', 'depth', 'answer', 'method', 'budget', 'bytes/fp16', 'margins', 'lost to'])}\n")
-    print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"margins_{args.model}_{args.tag or 'quick'}.md").write_text(md)
+    publish(f"margins_{args.model}_{tag}", md)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from statistics import mean, median
 from typing import Any
 
 import torch
-from common import RESULTS, forward, header, kl, parser, table
+from common import RESULTS, forward, header, kl, parser, publish, table
 from eval_perplexity import domain_text
 from tqdm import tqdm
 from transformers import AttentionInterface
@@ -422,9 +422,7 @@ def main() -> None:
           f"## 4. Group size (2-bit)\n\nPer-token groups are channels of one token (D = the whole head, "
           f"{info['head_dim']}); per-channel groups are consecutive tokens of one channel (all = the whole "
           f"context).\n\n{table(parts['groups'], gcols)}\n\n![plot]({name}.png)\n")
-    print(md)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(md)
+    publish(name, md)
     plot(parts, RESULTS / f"{name}.png", f"{args.model} ({tag})")
 
 
