@@ -10,8 +10,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import quant
 from .attention import RDKVState, rdkv_attention
-from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, layer_tables
-from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, LayerInput
+from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_tables
+from .methods import BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, SNAP_WINDOW, LayerInput
 from .calibrate import modelled_distortion
 from .errors import RDKVError
 from .fold import FoldPolicy
@@ -28,8 +28,10 @@ class CompressConfig:
     """How ``compress`` estimates, prices and packs. Every field can be overridden by keyword."""
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
+    window: int | None = None  # W: weigh by the last W prefill queries (None = all attach recorded, 256 by default)
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
+    evict_jointly: bool = False  # each pass adds the cross terms of evicting the previous pass's set together
     scope: str = "layer"  # "layer": a budget per layer; "global": one knapsack over all layers and heads
     passes: int = 3  # allocation passes: K is re-priced for the tokens the previous pass kept (solvers/allocate)
     floor: float = 0.0  # prior attention a future query may put on any token (see rdkv.distortion)
@@ -49,6 +51,9 @@ class CompressConfig:
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
         if self.evict_to not in EVICT_TO:
             raise RDKVError(f"evict_to={self.evict_to!r} is not one of {EVICT_TO}")
+        if self.evict_jointly and (self.evict_to == "kept" or self.distortion != "output"):
+            raise RDKVError("evict_jointly re-prices the output distortion itself: use it with distortion='output' "
+                            "and an evict_to other than 'kept'")
         if self.scope not in ("global", "layer"):
             raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
         if min(self.pool, self.pool_weights) < 1 or self.pool % 2 == 0 or self.pool_weights % 2 == 0:
@@ -57,11 +62,13 @@ class CompressConfig:
             raise RDKVError("surprisal and floor must be >= 0")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise RDKVError(f"window must be a positive int or None, got {self.window!r}")
         if not isinstance(self.passes, int) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
 
 
-def attach(model: torch.nn.Module, window: int = 64, all_queries: bool = False) -> torch.nn.Module:
+def attach(model: torch.nn.Module, window: int = 256, all_queries: bool = False) -> torch.nn.Module:
     """Install rdkv's attention path on ``model`` (in place) and return it.
 
     Prefill then runs exact attention and keeps what the weight estimator needs: the last ``window``
@@ -215,7 +222,7 @@ def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
 
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
-    sums = layer_sums(st, cfg.weights, start)
+    sums = layer_sums(st, cfg.weights, start, cfg.window)
     if cfg.prerope:
         sums.q2 = pair_mean(sums.q2)
     if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended
@@ -232,6 +239,12 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
     t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
+    if cfg.evict_jointly:
+        q = st.window_q if cfg.window is None else st.window_q[:, :, -cfg.window :]
+        key = st.key[..., start - st.start :, :]  # as the queries saw them (rotated, even with prerope)
+        pos = torch.arange(st.seen - q.shape[2], st.seen, device=q.device)
+        t.reprice = joint_reprice(t, q, key, v, pos, torch.arange(start, st.seen, device=q.device), st.scaling,
+                                  st.sliding_window, st.softcap)
     return t
 
 
@@ -257,6 +270,9 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
         overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
     cfg = _config(config, overrides)
     state = _state(model)
+    if cfg.window is not None and cfg.window > state.window:
+        raise RDKVError(f"window={cfg.window} but attach recorded only the last {state.window} prefill queries: "
+                        f"attach with rdkv.attach(model, window={cfg.window}) and prefill again")
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):
         raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")
@@ -352,7 +368,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             perms = [t.perm for t in tables]
         else:
             fixed = [sum(_fixed(k.shape[1], k.shape[-1], cfg) for _, k, _, _, _ in held)] * len(fp16)
-            inputs = [LayerInput(k, p, layer_sums(st, "window", start).mass, start, st.seen)
+            inputs = [LayerInput(k, p, layer_sums(st, "window", start, SNAP_WINDOW).mass, start, st.seen)
                       for st, k, v, start, p in held]
             budgets = [budget * f if budget is not None else float("inf") for f in fp16]
             v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)

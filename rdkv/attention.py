@@ -50,7 +50,7 @@ class LayerStats:
 class RDKVState:
     """Per-model state shared by every attention module of an attached model."""
 
-    window: int = 64
+    window: int = 256
     all_queries: bool = False
     layers: dict[int, LayerStats] = field(default_factory=dict)
     ids: torch.Tensor | None = None  # [B, seen] token ids of the prefill (for surprisal)
@@ -77,10 +77,11 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     mask: torch.Tensor | None = None,
+    elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, AttentionSums]:
     """Exact attention of q [B, Hq, q, D] over k, v [B, H, Tk, D] plus the weight statistics.
 
-    Runs in query chunks so the score tensor never exceeds ``CHUNK_ELEMENTS``. ``mask`` is an optional
+    Runs in query chunks so the score tensor never exceeds ``elements``. ``mask`` is an optional
     bool [B, 1, q, Tk] (True = may attend) combined with causality from the positions. Queries that may
     attend to nothing (left padding) get a zero output and contribute nothing to the sums.
     """
@@ -91,7 +92,7 @@ def attend(
     out = q.new_empty(B, Hq, L, D)
     sums = AttentionSums(
         mass=kf.new_zeros(B, H, Tk), mass2=kf.new_zeros(B, H, Tk), q2=kf.new_zeros(B, H, D), nq=kf.new_zeros(B))
-    chunk = max(1, CHUNK_ELEMENTS // max(1, B * Hq * Tk))
+    chunk = max(1, elements // max(1, B * Hq * Tk))
     for a in range(0, L, chunk):
         qc = q[:, :, a : a + chunk].float().unflatten(1, (H, G))  # [B, H, G, c, D]
         s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scaling
@@ -136,6 +137,9 @@ def _record(state: RDKVState, module: torch.nn.Module, query, key, value, mask, 
     layer = module.layer_idx
     L, Tk = query.shape[2], key.shape[2]
     prev = state.layers.get(layer)
+    if prev is None and Tk != L:
+        raise RDKVError(f"layer {layer}: the cache already held {Tk - L} tokens that rdkv did not see (it was filled "
+                        "before rdkv.attach, or attach was called again since): prefill again from an empty cache")
     fresh = prev is None or Tk == L  # the cache held nothing before this call: a new prefill
     seen = L if fresh else prev.seen + L
     dev = query.device

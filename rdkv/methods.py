@@ -30,7 +30,10 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-pool": {"pool_weights": 7},  # SnapKV-style pooled weights: better when the question is in the prompt
     # the question is in the prompt (query-aware): weigh only what its window asked for, no reserve for
     # later questions (no floor, no surprisal prior)
-    "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0},
+    "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0, "window": 64},
+    # observation window: the default re-attends every query attach recorded (256); 64 was the default
+    # until this change and stays the query-aware preset's (a longer window dilutes the question)
+    "rdkv-w64": {"window": 64},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
@@ -43,6 +46,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-evict-mean": {"evict_to": "mean"},
     "rdkv-evict-max": {"evict_to": "max"},
     "rdkv-evict-kept": {"evict_to": "kept"},
+    "rdkv-joint": {"evict_jointly": True},  # evicting a set costs its cross terms too (rdkv.distortion.eviction_cross)
     "rdkv-paper": {"distortion": "paper", "weights": "all", "floor": 0.0, "surprisal": 0.0, "sinks": 0, "recent": 0},
 }
 
@@ -53,12 +57,13 @@ class LayerInput:
 
     k: torch.Tensor  # [B, H, T, D] float32
     present: torch.Tensor  # [B, H, T] bool
-    window_mass: torch.Tensor  # [B, H, T] attention from the last W prefill queries
+    window_mass: torch.Tensor  # [B, H, T] attention from the last SNAP_WINDOW prefill queries
     start: int
     end: int
 
 
 Allocation = tuple[list[torch.Tensor], list[torch.Tensor]]
+SNAP_WINDOW = 64  # SnapKV's observation window: the baselines' window_mass is over the last 64 prefill queries
 
 
 def _uniform(v_width: int, k_width: int, recent: int = 0) -> Callable:
@@ -126,8 +131,8 @@ BASELINES: dict[str, Callable] = {
     "kivi4": _uniform(4, 4, recent=128),
     "kivi2": _uniform(2, 2, recent=128),
     "streaming": _evict(_recent),
-    "snapkv": _evict(_snap, window=64),
-    "adakv": _evict(_snap, adaptive=True, window=64),
+    "snapkv": _evict(_snap, window=SNAP_WINDOW),
+    "adakv": _evict(_snap, adaptive=True, window=SNAP_WINDOW),
     "knorm": _evict(lambda L: -L.k.norm(dim=-1)),
 }
 # group sizes the quantization baselines are defined with (KIVI: 32 tokens / 32 channels)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionSums, LayerStats, attend
+from .attention import CHUNK_ELEMENTS, AttentionSums, LayerStats, attend
 from .errors import RDKVError
 
 FORMS = ("all", "window")
 
 
-def layer_sums(stats: LayerStats, form: str, start: int | None = None) -> AttentionSums:
+def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: int | None = None) -> AttentionSums:
     """Sums over the chosen query set, with keys restricted to positions ``start`` (default: the
-    first the layer's cache holds) and later."""
+    first the layer's cache holds) and later; ``window`` takes only the last that many recorded queries."""
     start = stats.start if start is None else start
     if form == "all":
         s = stats.sums
@@ -24,7 +24,7 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None) -> Attent
             raise RDKVError("weights='all' needs every prefill query: attach with rdkv.attach(model, all_queries=True)")
         return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
     if form == "window":
-        q = stats.window_q
+        q = stats.window_q if window is None else stats.window_q[:, :, -window:]
         dev = q.device
         q_pos = torch.arange(stats.seen - q.shape[2], stats.seen, device=dev)
         k_pos = torch.arange(stats.start, stats.seen, device=dev)
@@ -48,7 +48,11 @@ def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos:
             raise RDKVError(f"RDKV_BACKEND=triton but the Triton token-weight kernel is unavailable: {e}") from e
         return attention_sums(q, stats.key, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, valid)
     mask = valid[:, None, None, :].expand(-1, 1, q.shape[2], -1)
-    _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask)
+    # 64 queries at a time (fewer past 29k tokens): the window's temporaries stay those of a 64-query window,
+    # so compress's extra memory stays within the fp16 cache's size (docs/benchmarks.md)
+    elements = min(CHUNK_ELEMENTS, 64 * q.shape[0] * q.shape[1] * stats.key.shape[2])
+    _, sums = attend(q, stats.key, stats.value, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, mask,
+                     elements)
     return sums
 
 

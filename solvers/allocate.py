@@ -86,12 +86,12 @@ def _refill_v(tables: list, b: int, budget: float, dv: list, rv: list, v_choice,
 
 
 def _reprice(t, b: int, dv: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """With eviction re-priced from the kept tokens' mean (tables carrying values), raise each token's
+    """With tables that re-price eviction from what a pass kept (``t.reprice``), raise each token's
     eviction cost to that; costs only rise, so passes cannot oscillate."""
-    if t.v is None:
+    if t.reprice is None:
         return dv
     dv = dv.clone()
-    dv[:, 0] = torch.maximum(dv[:, 0], t.evict_from_kept(b, widths > 0)[t.present[b]].to(dv.dtype))
+    dv[:, 0] = torch.maximum(dv[:, 0], t.reprice(b, widths > 0)[t.present[b]].to(dv.dtype))
     return dv
 
 

@@ -113,3 +113,13 @@ def test_attaching_twice_keeps_one_set_of_hooks_and_release_forgets_everything()
     assert state.hidden is None and state.ids is None and not state.layers
     with pytest.raises(rdkv.RDKVError, match="no prefill"):
         rdkv.compress(model, 0.3, **SMALL)
+
+
+def test_continuing_a_cache_filled_before_attach_is_refused_clearly():
+    """Re-attaching drops the statistics; a cache filled before that cannot be weighed, so say so."""
+    model = tiny_llama()
+    rdkv.attach(model)
+    cache = model(torch.randint(0, 96, (1, 20)), use_cache=True).past_key_values
+    rdkv.attach(model)
+    with pytest.raises(rdkv.RDKVError, match="already held 20 tokens that rdkv did not see"):
+        model(torch.randint(0, 96, (1, 4)), past_key_values=cache, use_cache=True)
