@@ -115,7 +115,7 @@ def test_eviction_cross_is_the_exact_marginal_error_minus_the_additive_term():
             exact = output_error(q, k, v, q_pos, k_pos, with_t) - output_error(q, k, v, q_pos, k_pos, without)
             assert exact == pytest.approx(float(additive[h, t] + cross[h, t]), rel=1e-3, abs=1e-4)
             big += float(cross[h, t].abs()) > float(additive[h, t])
-    assert big > n // 2  # the cross terms are not a small correction here (measured 63 of 80)
+    assert big > n // 2  # the cross terms are not a small correction here (measured 59 of 80)
 
 
 def crowd_head(seed: int = 0):
