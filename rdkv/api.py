@@ -21,6 +21,7 @@ from .weights import FORMS, layer_sums
 from .solvers.allocate import allocate
 
 NAME = "rdkv"
+DEFAULT_WINDOW = 64  # window queries compress weighs by default (attach records 256; rdkv-w256 uses them all)
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class CompressConfig:
     """How ``compress`` estimates, prices and packs. Every field can be overridden by keyword."""
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
-    window: int | None = None  # W: weigh by the last W prefill queries (None = all attach recorded, 256 by default)
+    window: int | None = None  # W: weigh by the last W prefill queries (None: 64, or all attach recorded if fewer)
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
     evict_jointly: bool = False  # each pass adds the cross terms of evicting the previous pass's set together
@@ -72,7 +73,8 @@ def attach(model: torch.nn.Module, window: int = 256, all_queries: bool = False)
     """Install rdkv's attention path on ``model`` (in place) and return it.
 
     Prefill then runs exact attention and keeps what the weight estimator needs: the last ``window``
-    queries (observation-window weights, the default) and, with ``all_queries=True``, attention sums
+    queries (observation-window weights, the default; compress weighs the last 64 of them unless told
+    otherwise) and, with ``all_queries=True``, attention sums
     over every prefill query (the paper's form; prefill then computes attention in chunks itself
     instead of through SDPA). Decoding on a compressed cache runs the TriZone decode.
     """
@@ -240,7 +242,7 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
     t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
     if cfg.evict_jointly:
-        q = st.window_q if cfg.window is None else st.window_q[:, :, -cfg.window :]
+        q = st.window_q[:, :, -cfg.window :]
         key = st.key[..., start - st.start :, :]  # as the queries saw them (rotated, even with prerope)
         pos = torch.arange(st.seen - q.shape[2], st.seen, device=q.device)
         t.reprice = joint_reprice(t, q, key, v, pos, torch.arange(start, st.seen, device=q.device), st.scaling,
@@ -273,6 +275,7 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
     if cfg.window is not None and cfg.window > state.window:
         raise RDKVError(f"window={cfg.window} but attach recorded only the last {state.window} prefill queries: "
                         f"attach with rdkv.attach(model, window={cfg.window}) and prefill again")
+    cfg = replace(cfg, window=cfg.window or min(DEFAULT_WINDOW, state.window))
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):
         raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")

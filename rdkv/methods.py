@@ -30,10 +30,10 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-pool": {"pool_weights": 7},  # SnapKV-style pooled weights: better when the question is in the prompt
     # the question is in the prompt (query-aware): weigh only what its window asked for, no reserve for
     # later questions (no floor, no surprisal prior)
-    "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0, "window": 64},
-    # observation window: the default re-attends every query attach recorded (256); 64 was the default
-    # until this change and stays the query-aware preset's (a longer window dilutes the question)
-    "rdkv-w64": {"window": 64},
+    "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0},
+    # weights from all 256 recorded queries instead of the last 64: better on Gemma 3 query-agnostic (1k), worse
+    # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (README, "What this round changed")
+    "rdkv-w256": {"window": 256},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},

@@ -1,7 +1,7 @@
 """Is eviction additive? Per layer: the real output error of evicting the allocation's set together
 against the sum of its tokens' separate (additive) prices.
 
-    python scripts/diag_joint.py --model gemma3-270m --budgets 0.25 --methods rdkv-w64 --tag prose
+    python scripts/diag_joint.py --model gemma3-270m --budgets 0.25 --methods rdkv --tag prose
 
 Prefill ``--contexts`` tokens of the prose domain (eval_perplexity's text), compress, and for every
 layer take the set of V rows the allocation evicted. For the window queries the weights came from and
@@ -41,7 +41,7 @@ def eviction_errors(st, q: torch.Tensor, keep: torch.Tensor) -> tuple[float, flo
 
 def main() -> None:
     ap = parser(__doc__, [0.25], [1024])
-    ap.set_defaults(methods=["rdkv-w64"], model="gemma3-270m")
+    ap.set_defaults(methods=["rdkv"], model="gemma3-270m")
     ap.add_argument("--continuation", type=int, default=256)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -64,7 +64,7 @@ def main() -> None:
                 c = rdkv.compress(model, b, method=name, **extra)
                 for i, layer in enumerate(c.layers):
                     st, keep = state.layers[i], layer.v_widths()[0] > 0
-                    window = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("window") or st.window_q.shape[2]
+                    window = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("window") or rdkv.api.DEFAULT_WINDOW
                     win = eviction_errors(st, st.window_q[0, :, -window:], keep)
                     # the continuation's keys: the prefix's held ones (compressed) plus the tail's (kept)
                     lt = later[i]
