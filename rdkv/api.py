@@ -17,7 +17,7 @@ from .errors import RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
 from .trizone import PackSpec, TriZoneCache, pack_choice
-from .weights import FORMS, layer_sums
+from .weights import FORMS, layer_sums, window_queries
 from .solvers.allocate import allocate
 
 NAME = "rdkv"
@@ -242,10 +242,9 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
     t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
     if cfg.evict_jointly:
-        q = st.window_q[:, :, -cfg.window :]
+        q, q_pos = window_queries(st, cfg.window)
         key = st.key[..., start - st.start :, :]  # as the queries saw them (rotated, even with prerope)
-        pos = torch.arange(st.seen - q.shape[2], st.seen, device=q.device)
-        t.reprice = joint_reprice(t, q, key, v, pos, torch.arange(start, st.seen, device=q.device), st.scaling,
+        t.reprice = joint_reprice(t, q, key, v, q_pos, torch.arange(start, st.seen, device=q.device), st.scaling,
                                   st.sliding_window, st.softcap)
     return t
 

@@ -24,15 +24,19 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: i
             raise RDKVError("weights='all' needs every prefill query: attach with rdkv.attach(model, all_queries=True)")
         return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
     if form == "window":
-        q = stats.window_q if window is None else stats.window_q[:, :, -window:]
-        dev = q.device
-        q_pos = torch.arange(stats.seen - q.shape[2], stats.seen, device=dev)
-        k_pos = torch.arange(stats.start, stats.seen, device=dev)
+        q, q_pos = window_queries(stats, window)
+        k_pos = torch.arange(stats.start, stats.seen, device=q.device)
         sums = _window_sums(stats, q, q_pos, k_pos)
         cut = start - stats.start
         sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
         return sums
     raise RDKVError(f"unknown weight form {form!r}; choose one of {FORMS}")
+
+
+def window_queries(stats: LayerStats, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last ``window`` recorded queries [B, Hq, W, D] (all of them for None) and their positions [W]."""
+    q = stats.window_q if window is None else stats.window_q[:, :, -window:]
+    return q, torch.arange(stats.seen - q.shape[2], stats.seen, device=q.device)
 
 
 def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> AttentionSums:
