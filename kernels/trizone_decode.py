@@ -67,22 +67,28 @@ def _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
+def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``."""
+              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr):
+    """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
+
+    ``FOLD_K``: the tile ``t0 + [0, BLOCK_N)`` lies inside one token group (the caller aligns tiles), so
+    its per-channel scale folds into q and its zero into one constant per query row,
+    ``q . (code * sc + z) = (q * sc) . code + q . z``: the dot reads the integer codes as they are, and
+    the scale/zero loads shrink from [KB, BLOCK_N] to [KB]. Otherwise the codes are dequantized first."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
     j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
     c = tl.arange(0, KB)
     for j in range(j_lo, j_hi):
         blk = tl.load(kord_ptr + tab_base + j)
         row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
-        qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT).to(DOT)
+        qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
         rows = row0 + i.to(tl.int64)  # [BLOCK_N]
         if W == 16:
             kt = tl.load(codes_ptr + rows[None, :] * KB + c[:, None], mask=tok_ok[None, :], other=0.0)
+            scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
         else:
             # packed bytes [RB, BN] unpacked in registers to [RB, PER, BN] -> [KB, BN] (channel = byte * PER + k)
             PER: tl.constexpr = 8 // W
@@ -92,12 +98,20 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
             sh = tl.arange(0, PER) * W
             code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
             g0 = tl.load(kgrp_ptr + tab_base + j)
-            grp = g0 + (i // K_GROUP).to(tl.int64)
-            sz = grp[None, :] * KB + c[:, None]
-            sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-            zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-            kt = code.to(tl.float32) * sc + zp
-        scores += tl.dot(qb, kt.to(DOT), input_precision=PREC)
+            if FOLD_K:
+                sz = (g0 + t0 // K_GROUP) * KB + c
+                sc = tl.load(scale_ptr + sz).to(tl.float32)
+                zp = tl.load(zero_ptr + sz).to(tl.float32)
+                qf = qb.to(tl.float32)
+                scores += tl.dot((qf * sc[None, :]).to(DOT), code.to(DOT), input_precision=PREC)
+                scores += tl.reduce(qf * zp[None, :], 1, _add)[:, None]
+            else:
+                grp = g0 + (i // K_GROUP).to(tl.int64)
+                sz = grp[None, :] * KB + c[:, None]
+                sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+                zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+                kt = code.to(tl.float32) * sc + zp
+                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
     return scores
 
 
@@ -147,24 +161,29 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
               K_GROUP, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
               PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, scale2):
-    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens."""
+              BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr):
+    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens (with ``FOLD_K``,
+    tiles start at multiples of ``BLOCK_N`` so none straddles a K token group; the launcher checks that
+    ``BLOCK_N`` divides the group)."""
     a = tl.maximum(lo, c_lo)
     e = tl.minimum(hi, c_hi)
     d = tl.arange(0, D_PAD)
-    for t0 in range(a, e, BLOCK_N):
+    start = a
+    if FOLD_K:
+        start = tl.where(a < e, a - a % BLOCK_N, e)
+    for t0 in range(start, e, BLOCK_N):
         i = t0 + tl.arange(0, BLOCK_N)
-        tok_ok = i < e
+        tok_ok = (i >= a) & (i < e)
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N)
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
         p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
@@ -209,7 +228,7 @@ def _trizone_attn(
     H, G, L, K_GROUP, SPLIT,
     D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
@@ -260,7 +279,7 @@ def _trizone_attn(
                                       smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z,
                                       k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD, NB,
                                       K_GROUP, V_GROUP, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
-                                      scale2)
+                                      scale2, FOLD_K)
     else:
         cid = pid - n_ab
         s = cid // c_chunks
@@ -429,18 +448,24 @@ def _pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
+# Fold K scales into q, or dequantize K codes first: a compile-time choice, see _k_scores. Default chosen
+# by GPU measurement (docs/benchmarks.md, "fold vs dequantize").
+FOLD_K = True
+
+
 @dataclass(frozen=True)
 class Config:
     block_n: int
     num_warps: int
     num_stages: int = 1
     maxnreg: int | None = None  # lets ptxas use every register instead of spilling to gain occupancy
+    fold_k: bool = FOLD_K  # fold K scales into q (needs block_n | k_group) rather than dequantize first
 
 
 def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
     """Tile sizes per head_dim, query-row block and dtype, chosen so no variant spills registers
-    (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS override them for
-    experiments."""
+    (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
+    (0 or 1) override them for experiments."""
     block_n = 64 if D <= 128 else 32
     warps = 4 if D <= 64 else 8
     maxnreg = None
@@ -448,7 +473,11 @@ def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> C
         block_n, maxnreg = 16, 65536 // (32 * warps)
     block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
     warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
-    return Config(block_n, warps, maxnreg=min(255, maxnreg) if maxnreg else None)
+    fold = os.environ.get("RDKV_KERNEL_FOLD_K", "")
+    if fold not in ("", "0", "1"):
+        raise RDKVError(f"RDKV_KERNEL_FOLD_K must be 0 or 1, got {fold!r}")
+    return Config(block_n, warps, maxnreg=min(255, maxnreg) if maxnreg else None,
+                  fold_k=FOLD_K if fold == "" else fold == "1")
 
 
 def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
@@ -578,6 +607,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
+            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if len(tabs) == 1:

@@ -9,7 +9,10 @@ For every (context, batch, budget) it times
 * ``sdpa-full`` torch SDPA over the full fp16 cache (FlashAttention backend on GPU; the G query heads
                 of a KV head ride as G query rows of one head, which is exact for decode);
 * ``deq-sdpa``  dequantize the TriZone layer to fp16 (``TriZoneLayer.dequantize``) and run SDPA over it,
-                i.e. what a format without a fused kernel has to do every step.
+                i.e. what a format without a fused kernel has to do every step;
+* ``other K``   (GPU only) the same kernel compiled with the other K path: K codes dequantized in
+                registers before the dot, or the scales folded into q (``kernels/trizone_decode.py:
+                FOLD_K`` is the default, chosen by this column).
 
 and reports bytes the TriZone step reads (every tensor of the layer plus q: each byte is read once) per
 second, as a fraction of the GPU's peak memory bandwidth (nominal figure for known GPUs, and the
@@ -150,7 +153,9 @@ def main(argv=None) -> int:
     contexts = a.contexts or ([1024, 4096] if a.quick else [8192, 32768, 131072])
     batches = a.batches or ([1, 2] if a.quick else [1, 8])
     budgets = a.budgets or [0.025, 0.10, 0.25]
+    fused_fold = False
     if dev.type == "cuda":
+        from rdkv.kernels.trizone_decode import FOLD_K as fused_fold
         from rdkv.kernels.trizone_decode import trizone_decode as fused
     else:
         from rdkv.reference import trizone_attention as fused
@@ -179,6 +184,13 @@ def main(argv=None) -> int:
             g_tz = graphed(step) if dev.type == "cuda" else None
             tg_tz = bench(g_tz) if g_tz else None
             del g_tz
+            tg_other = None
+            if dev.type == "cuda":  # the other compile-time K path, same layer, graph time
+                os.environ["RDKV_KERNEL_FOLD_K"] = "0" if fused_fold else "1"
+                g_other = graphed(step)
+                tg_other = bench(g_other) if g_other else bench(step)
+                del g_other
+                os.environ.pop("RDKV_KERNEL_FOLD_K")
             t_deq = None
             if not a.no_deq:
                 def deq_sdpa():
@@ -195,6 +207,7 @@ def main(argv=None) -> int:
             rows.append(dict(context=T, batch=B, budget=budget, bytes_ratio=ratio, kept=float(layer.kept.float().mean() / T),
                              trizone_us=t_tz * 1e6, sdpa_full_us=t_full * 1e6, deq_sdpa_us=t_deq * 1e6 if t_deq else None,
                              trizone_graph_us=tg_tz * 1e6 if tg_tz else None,
+                             other_k_graph_us=tg_other * 1e6 if tg_other else None,
                              sdpa_full_graph_us=tg_full * 1e6 if tg_full else None,
                              speedup_vs_full=t_full / t_tz, speedup_vs_deq=(t_deq / t_tz) if t_deq else None,
                              speedup_graph=(tg_full / tg_tz) if tg_tz and tg_full else None,
@@ -205,6 +218,7 @@ def main(argv=None) -> int:
                   f"{r['trizone_us']:9.1f} us  full {r['sdpa_full_us']:9.1f} us  x{r['speedup_vs_full']:.2f}"
                   + (f"  deq {r['deq_sdpa_us']:9.1f} us" if t_deq else "")
                   + (f"  graph {r['trizone_graph_us']:.1f} vs {r['sdpa_full_graph_us']:.1f} us" if tg_tz and tg_full else "")
+                  + (f"  other K path graph {r['other_k_graph_us']:.1f} us" if tg_other else "")
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
             layer = None
             if dev.type == "cuda":
@@ -214,17 +228,20 @@ def main(argv=None) -> int:
              f"PackSpec(v_group={SPEC.v_group}, k_group={SPEC.k_group}, k_block={SPEC.k_block}).",
              f"Peak bandwidth: nominal {nominal / 1e9:.0f} GB/s, measured copy {copy_bw / 1e9:.0f} GB/s." if nominal and copy_bw
              else (f"Measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (device not in the nominal table)." if copy_bw else ""),
+             f"TriZone = the kernel's default K path ({'scales folded into q' if fused_fold else 'dequantize first'}); "
+             f"other K path = {'dequantize first' if fused_fold else 'scales folded into q'}. "
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
              "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph).",
              "", "| context | batch | budget | bytes/fp16 | kept | TriZone us | SDPA full us | x vs full | TriZone graph us | "
-             "SDPA graph us | x graph | deq+SDPA us | x vs deq | GB/s read | of peak | of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SDPA graph us | x graph | other K path graph us | deq+SDPA us | x vs deq | GB/s read | of peak | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = lambda x, fmt: (fmt.format(x) if x is not None else "-")  # noqa: E731
         lines.append(f"| {r['context']} | {r['batch']} | {r['budget']:.3f} | {r['bytes_ratio']:.3f} | {r['kept']:.3f} | "
                      f"{r['trizone_us']:.1f} | {r['sdpa_full_us']:.1f} | {r['speedup_vs_full']:.2f} | "
                      f"{f(r['trizone_graph_us'], '{:.1f}')} | {f(r['sdpa_full_graph_us'], '{:.1f}')} | "
-                     f"{f(r['speedup_graph'], '{:.2f}')} | {f(r['deq_sdpa_us'], '{:.1f}')} | "
+                     f"{f(r['speedup_graph'], '{:.2f}')} | {f(r['other_k_graph_us'], '{:.1f}')} | "
+                     f"{f(r['deq_sdpa_us'], '{:.1f}')} | "
                      f"{f(r['speedup_vs_deq'], '{:.2f}')} | {r['bw_GBps']:.0f} | "
                      f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")
     text = "\n".join(lines) + "\n"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU check for the TriZone decode kernel, sized for a short GPU loan (about 5 minutes on an H100/H200):
+# GPU check for the TriZone decode kernel, sized for a short GPU loan (about 5 minutes on an H100/H200; TEST_TIMEOUT / BENCH_TIMEOUT cap the two stages):
 #   1. environment facts (nvidia-smi, torch/triton versions);
 #   2. the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: same cases as the interpreter run,
 #      plus bf16 queries, which the interpreter cannot check), decode and compress side;
-#   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%).
+#   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%);
+#   4. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
-# bench.txt, bench_decode.md, bench_decode.json. Exit status: non-zero if the tests or the benchmark failed.
+# bench.txt, bench_decode.md/json, bench_compress.txt, bench_compress_kernels.md/json. Exit status: non-zero if the tests or the benchmark failed.
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh     # a python whose torch sees the GPU
@@ -52,14 +53,21 @@ cat "$OUT/env.txt"
 status=0
 echo "== kernel tests on CUDA =="
 t0=$(date +%s)
-RDKV_TEST_DEVICE=cuda timeout 360 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
+# compiling the kernel variants dominates: spread the tests over processes when pytest-xdist is there
+XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+# shellcheck disable=SC2086
+RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
 
 echo "== decode benchmark =="
 t0=$(date +%s)
 # shellcheck disable=SC2086
-timeout 420 "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+timeout "${BENCH_TIMEOUT:-360}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "benchmark took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
+
+echo "== compress-side kernels vs torch =="
+timeout "${COMPRESS_TIMEOUT:-120}" "$PY" scripts/bench_compress_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_compress.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 exit $status
