@@ -93,7 +93,6 @@ def main(argv=None) -> int:
         for r in rows[-5:]:
             print(f"{r['op']:>28} T={T:>6}: triton {r['triton_us']:9.1f} us  torch {r['torch_us']:9.1f} us  "
                   f"x{r['torch_us'] / r['triton_us']:.1f}  ({r['diff']})", flush=True)
-        del k, v, q
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
     lines = [f"# Compress-side kernels vs torch ({name})", "",
              f"One layer: {H} KV heads x {G} query heads, head_dim {D}, batch 1, fp16. Times are medians of do_bench.", "",

@@ -27,6 +27,7 @@ hit the budget as a fraction of the fp16 cache.
     python scripts/bench_decode.py --device cuda                # 8k/32k/128k x batch 1/8 x 2.5/10/25%
     python scripts/bench_decode.py --device cpu --quick         # small contexts, torch reference
     python scripts/bench_decode.py --device cuda --out results/  # also write bench_decode.{md,json}
+    python scripts/bench_decode.py --device cuda --sweep 131072,1,0.1   # launch settings at one point
 """
 from __future__ import annotations
 
@@ -136,6 +137,48 @@ def peak_bandwidth(dev: torch.device) -> tuple[str, float | None, float | None]:
     return name, nominal, 2 * x.numel() / secs
 
 
+def sweep(spec: str, dev: torch.device, out: str | None) -> int:
+    """Graph time of the fused step over launch settings (tokens per tile, warps, K path, tokens per
+    work item) at one (context, batch, budget): the measurement behind ``launch_config``'s choices."""
+    from rdkv.kernels.trizone_decode import trizone_decode
+
+    T, B, budget = int(spec.split(",")[0]), int(spec.split(",")[1]), float(spec.split(",")[2])
+    layer, ratio = calibrated_layer(B, T, budget, dev)
+    q = torch.randn(B, H * G, 1, D, device=dev, dtype=torch.float16)
+    bench = timer(dev, False)
+    read = layer.nbytes + q.numel() * q.element_size()
+    lines = [f"# Launch sweep: context {T}, batch {B}, budget {budget} (bytes {ratio:.3f}), {torch.cuda.get_device_name(dev)}",
+             "", "| block_n | warps | K path | split | graph us | GB/s read |", "|---|---|---|---|---|---|"]
+    keys = ("RDKV_KERNEL_BLOCK_N", "RDKV_KERNEL_WARPS", "RDKV_KERNEL_FOLD_K", "RDKV_KERNEL_SPLIT")
+    combos = [(bn, w, f, 0) for bn in (32, 64, 128) for w in (4, 8) for f in (1, 0)]
+    combos += [(0, 0, 1, sp) for sp in (256, 512, 1024, 2048, 4096)]
+    for combo in combos:
+        for k, val in zip(keys, combo):
+            if val or k == "RDKV_KERNEL_FOLD_K":
+                os.environ[k] = str(val)
+            else:
+                os.environ.pop(k, None)
+        try:
+            g = graphed(lambda: trizone_decode(q, layer, D ** -0.5))
+            t = bench(g) if g else None
+        except Exception as e:  # a setting the compiler refuses (e.g. out of registers): say so, go on
+            print(f"{combo}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            t = None
+        row = (f"| {combo[0] or 'default'} | {combo[1] or 'default'} | {'fold' if combo[2] else 'deq-first'} | "
+               f"{combo[3] or 'default'} | {t * 1e6 if t else float('nan'):.1f} | {read / t / 1e9 if t else float('nan'):.0f} |")
+        print(row, flush=True)
+        lines.append(row)
+    for k in keys:
+        os.environ.pop(k, None)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "bench_decode_sweep.md"), "w") as fh:
+            fh.write(text)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,11 +188,18 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=float, nargs="*")
     ap.add_argument("--no-deq", action="store_true", help="skip the dequantize-then-SDPA baseline")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_decode.md/json (default $OUT)")
+    ap.add_argument("--sweep", metavar="CONTEXT,BATCH,BUDGET",
+                    help="instead of the table: time the kernel over launch settings at one point (GPU only)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda but no GPU is visible", file=sys.stderr)
         return 2
+    if a.sweep:
+        if dev.type != "cuda":
+            print("--sweep times the Triton kernel: it needs --device cuda", file=sys.stderr)
+            return 2
+        return sweep(a.sweep, dev, a.out)
     contexts = a.contexts or ([1024, 4096] if a.quick else [8192, 32768, 131072])
     batches = a.batches or ([1, 2] if a.quick else [1, 8])
     budgets = a.budgets or [0.025, 0.10, 0.25]

@@ -4,7 +4,9 @@
 #   2. the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: same cases as the interpreter run,
 #      plus bf16 queries, which the interpreter cannot check), decode and compress side;
 #   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%);
-#   4. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
+#   4. a sweep of launch settings at one point (bench_decode.py --sweep);
+#   5. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
+# STAGES="tests bench sweep compress" (the default) picks stages, so a short loan can split them over calls.
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
 # bench.txt, bench_decode.md/json, bench_compress.txt, bench_compress_kernels.md/json. Exit status: non-zero if the tests or the benchmark failed.
 #
@@ -51,23 +53,38 @@ fi
 cat "$OUT/env.txt"
 
 status=0
-echo "== kernel tests on CUDA =="
-t0=$(date +%s)
-# compiling the kernel variants dominates: spread the tests over processes when pytest-xdist is there
-XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
-# shellcheck disable=SC2086
-RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
+STAGES=${STAGES:-tests bench sweep compress}
+stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 
-echo "== decode benchmark =="
-t0=$(date +%s)
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-360}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-echo "benchmark took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
+if stage tests; then
+    echo "== kernel tests on CUDA =="
+    t0=$(date +%s)
+    # compiling the kernel variants dominates: spread the tests over processes when pytest-xdist is there
+    XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+    # shellcheck disable=SC2086
+    RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
+fi
 
-echo "== compress-side kernels vs torch =="
-timeout "${COMPRESS_TIMEOUT:-120}" "$PY" scripts/bench_compress_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_compress.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if stage bench; then
+    echo "== decode benchmark =="
+    t0=$(date +%s)
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT:-360}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    echo "benchmark took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
+fi
+
+if stage sweep; then
+    echo "== launch settings at 128k, batch 1, 10% =="
+    timeout "${SWEEP_TIMEOUT:-150}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" --sweep "${SWEEP_AT:-131072,1,0.1}" 2>&1 | tee "$OUT/sweep.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if stage compress; then
+    echo "== compress-side kernels vs torch =="
+    timeout "${COMPRESS_TIMEOUT:-120}" "$PY" scripts/bench_compress_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_compress.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 exit $status
