@@ -145,7 +145,7 @@ def compile_one(v: dict, arch: int) -> dict:
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
     consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], V_GROUP=32, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
-                  FOLD_K=v.get("fold", cfg.fold_k))
+                  FOLD_K=v.get("fold", cfg.fold_k), KU=min(v.get("ku", cfg.k_unroll), D // v["kb"]))
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
     fn = m._trizone_attn
     sig = signature(fn, v["dtype"], dt16)

@@ -6,7 +6,8 @@
 #   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%);
 #   4. a sweep of launch settings at one point (bench_decode.py --sweep);
 #   5. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
-# STAGES="tests bench sweep compress" (the default) picks stages, so a short loan can split them over calls.
+# STAGES="tests bench sweep compress" (the default) picks stages, so a short loan can split them over calls;
+# STAGES=tune runs the sweep and then the table with its fastest setting.
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
 # bench.txt, bench_decode.md/json, bench_compress.txt, bench_compress_kernels.md/json. Exit status: non-zero if the tests or the benchmark failed.
 #
@@ -79,6 +80,12 @@ fi
 if stage sweep; then
     echo "== launch settings at 128k, batch 1, 10% =="
     timeout "${SWEEP_TIMEOUT:-150}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" --sweep "${SWEEP_AT:-131072,1,0.1}" 2>&1 | tee "$OUT/sweep.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if stage tune; then
+    echo "== launch settings at 128k, batch 8, 10%, then the table with the fastest =="
+    timeout "${TUNE_TIMEOUT:-300}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" --sweep "${SWEEP_AT:-131072,8,0.1}" --then-table 2>&1 | tee "$OUT/tune.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -147,13 +147,13 @@ def test_quantize_cols_reproduces_pack_layer():
         ps, pb, _, pi, *_ = _k_pairs(kbits, n, w, spec.k_group)
         rows = kp.unflatten(1, (-1, 16))[(torch.cumsum(n, 0) - n)[ps] + pi, pb]
         _, s = torch.nonzero(kbits.T == w, as_tuple=True)  # the pairs of width w, in _k_pairs' order
-        got = qmod.quantize_pack(rows, w, spec.k_group, axis=0, segments=n[s])
+        got = qmod.quantize_pack(rows.to(DEVICE), w, spec.k_group, axis=0, segments=n[s].to(DEVICE))
         same(got, (layer.t[f"k{w}.codes"], layer.t[f"k{w}.scale"], layer.t[f"k{w}.zero"]))
     # and V: the kept rows of each class, one call per width
     vf = v.reshape(S, T, D)[s_flat, order[keep]]
     cls = rank.gather(1, order)[keep]
     for c, w in enumerate((2, 4, 8)):
-        got = qmod.quantize_pack(vf[cls == c], w, spec.v_group)
+        got = qmod.quantize_pack(vf[cls == c].to(DEVICE), w, spec.v_group)
         same(got, (layer.t[f"v{w}.codes"], layer.t[f"v{w}.scale"], layer.t[f"v{w}.zero"]))
 
 
