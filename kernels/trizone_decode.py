@@ -530,7 +530,7 @@ class Config:
 def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
     """Tile sizes per head_dim, query-row block and dtype, chosen so no variant spills registers
     (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
-    (0 or 1) / RDKV_KERNEL_K_UNROLL (1, 2, 4, ...) override them for experiments."""
+    (0 or 1) / RDKV_KERNEL_K_UNROLL (1, 2, 4, ...) / RDKV_KERNEL_MAXNREG override them for experiments."""
     block_n = 64 if D <= 128 else 32
     warps = 4 if D <= 64 else 8
     maxnreg = None
@@ -538,6 +538,7 @@ def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> C
         block_n, maxnreg = 16, 65536 // (32 * warps)
     block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
     warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
+    maxnreg = int(os.environ.get("RDKV_KERNEL_MAXNREG", 0)) or maxnreg
     fold = os.environ.get("RDKV_KERNEL_FOLD_K", "")
     if fold not in ("", "0", "1"):
         raise RDKVError(f"RDKV_KERNEL_FOLD_K must be 0 or 1, got {fold!r}")
