@@ -67,111 +67,51 @@ def _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB: tl.constexpr, D: tl.const
 
 
 @triton.jit
-def _k_scores_batched(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
-                      kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
-                      codes_ptr, scale_ptr, zero_ptr, sqd,
-                      W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-                      K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr,
-                      KU: tl.constexpr):
-    """:func:`_k_scores` with ``KU`` K blocks per step: one [KU, ...] load each for codes, scales, q and
-    one batched dot, so the loads of ``KU`` blocks are in flight together instead of one block's at a
-    time (decode is bound by the latency of these small loads, not by the dots; docs/benchmarks.md)."""
-    j_lo = tl.load(kcls_ptr + s * 6 + WI)
-    j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
-    c = tl.arange(0, KB)
-    u = tl.arange(0, KU)
-    for j0 in range(j_lo, j_hi, KU):
-        j = j0 + u
-        live = j < j_hi
-        blk = tl.load(kord_ptr + tab_base + j, mask=live, other=0)
-        row0 = tl.load(krow_ptr + tab_base + j, mask=live, other=0)
-        ch = tl.load(perm_ptr + s * D + blk[:, None] * KB + c[None, :]).to(tl.int64)  # [KU, KB]
-        qb = tl.load(q_row_ptrs[None, :, None] + ch[:, None, :] * sqd,
-                     mask=live[:, None, None] & row_ok[None, :, None], other=0.0)  # [KU, BLOCK_M, KB]
-        rows = row0[:, None] + i.to(tl.int64)[None, :]  # [KU, BLOCK_N]
-        m3 = live[:, None, None] & tok_ok[None, None, :]
-        if W == 16:
-            kt = tl.load(codes_ptr + rows[:, None, :] * KB + c[None, :, None], mask=m3, other=0.0)
-            part = tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
-        else:
-            PER: tl.constexpr = 8 // W
-            RB: tl.constexpr = KB * W // 8
-            rb = tl.arange(0, RB)
-            byte = tl.load(codes_ptr + rows[:, None, :] * RB + rb[None, :, None], mask=m3, other=0)  # [KU, RB, BN]
-            sh = tl.arange(0, PER) * W
-            code = tl.reshape((byte.to(tl.int32)[:, :, None, :] >> sh[None, None, :, None]) & ((1 << W) - 1),
-                              [KU, KB, BLOCK_N])
-            g0 = tl.load(kgrp_ptr + tab_base + j, mask=live, other=0)
-            if FOLD_K:
-                sz = (g0 + t0 // K_GROUP)[:, None] * KB + c[None, :]  # [KU, KB]
-                sc = tl.load(scale_ptr + sz, mask=live[:, None], other=0.0).to(tl.float32)
-                zp = tl.load(zero_ptr + sz, mask=live[:, None], other=0.0).to(tl.float32)
-                qf = qb.to(tl.float32)
-                part = tl.dot((qf * sc[:, None, :]).to(DOT), code.to(DOT), input_precision=PREC)
-                scores += tl.reduce(tl.reduce(qf * zp[:, None, :], 2, _add), 0, _add)[:, None]
-            else:
-                grp = g0[:, None] + (i // K_GROUP).to(tl.int64)[None, :]  # [KU, BN]
-                sz = grp[:, None, :] * KB + c[None, :, None]  # [KU, KB, BN]
-                sc = tl.load(scale_ptr + sz, mask=m3, other=0.0).to(tl.float32)
-                zp = tl.load(zero_ptr + sz, mask=m3, other=0.0).to(tl.float32)
-                part = tl.dot(qb.to(DOT), (code.to(tl.float32) * sc + zp).to(DOT), input_precision=PREC)
-        scores += tl.reduce(part, 0, _add)
-    return scores
-
-
-@triton.jit
 def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr,
-              KU: tl.constexpr):
-    """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``, one
-    block at a time (``KU`` = 1) or ``KU`` at a time (:func:`_k_scores_batched`).
+              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr):
+    """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
 
     ``FOLD_K``: the tile ``t0 + [0, BLOCK_N)`` lies inside one token group (the caller aligns tiles), so
     its per-channel scale folds into q and its zero into one constant per query row,
     ``q . (code * sc + z) = (q * sc) . code + q . z``: the dot reads the integer codes as they are, and
     the scale/zero loads shrink from [KB, BLOCK_N] to [KB]. Otherwise the codes are dequantized first."""
-    if KU > 1:
-        scores = _k_scores_batched(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                                   kgrp_ptr, kcls_ptr, codes_ptr, scale_ptr, zero_ptr, sqd, W, WI, KB, D, NB, K_GROUP,
-                                   DOT, PREC, BLOCK_N, FOLD_K, KU)
-    else:
-        j_lo = tl.load(kcls_ptr + s * 6 + WI)
-        j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
-        c = tl.arange(0, KB)
-        for j in range(j_lo, j_hi):
-            blk = tl.load(kord_ptr + tab_base + j)
-            row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
-            qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
-            rows = row0 + i.to(tl.int64)  # [BLOCK_N]
-            if W == 16:
-                kt = tl.load(codes_ptr + rows[None, :] * KB + c[:, None], mask=tok_ok[None, :], other=0.0)
-                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+    j_lo = tl.load(kcls_ptr + s * 6 + WI)
+    j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
+    c = tl.arange(0, KB)
+    for j in range(j_lo, j_hi):
+        blk = tl.load(kord_ptr + tab_base + j)
+        row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
+        qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+        rows = row0 + i.to(tl.int64)  # [BLOCK_N]
+        if W == 16:
+            kt = tl.load(codes_ptr + rows[None, :] * KB + c[:, None], mask=tok_ok[None, :], other=0.0)
+            scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+        else:
+            # packed bytes [RB, BN] unpacked in registers to [RB, PER, BN] -> [KB, BN] (channel = byte * PER + k)
+            PER: tl.constexpr = 8 // W
+            RB: tl.constexpr = KB * W // 8
+            rb = tl.arange(0, RB)
+            byte = tl.load(codes_ptr + rows[None, :] * RB + rb[:, None], mask=tok_ok[None, :], other=0)
+            sh = tl.arange(0, PER) * W
+            code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
+            g0 = tl.load(kgrp_ptr + tab_base + j)
+            if FOLD_K:
+                sz = (g0 + t0 // K_GROUP) * KB + c
+                sc = tl.load(scale_ptr + sz).to(tl.float32)
+                zp = tl.load(zero_ptr + sz).to(tl.float32)
+                qf = qb.to(tl.float32)
+                scores += tl.dot((qf * sc[None, :]).to(DOT), code.to(DOT), input_precision=PREC)
+                scores += tl.reduce(qf * zp[None, :], 1, _add)[:, None]
             else:
-                # packed bytes [RB, BN] unpacked in registers to [RB, PER, BN] -> [KB, BN] (channel = byte * PER + k)
-                PER: tl.constexpr = 8 // W
-                RB: tl.constexpr = KB * W // 8
-                rb = tl.arange(0, RB)
-                byte = tl.load(codes_ptr + rows[None, :] * RB + rb[:, None], mask=tok_ok[None, :], other=0)
-                sh = tl.arange(0, PER) * W
-                code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
-                g0 = tl.load(kgrp_ptr + tab_base + j)
-                if FOLD_K:
-                    sz = (g0 + t0 // K_GROUP) * KB + c
-                    sc = tl.load(scale_ptr + sz).to(tl.float32)
-                    zp = tl.load(zero_ptr + sz).to(tl.float32)
-                    qf = qb.to(tl.float32)
-                    scores += tl.dot((qf * sc[None, :]).to(DOT), code.to(DOT), input_precision=PREC)
-                    scores += tl.reduce(qf * zp[None, :], 1, _add)[:, None]
-                else:
-                    grp = g0 + (i // K_GROUP).to(tl.int64)
-                    sz = grp[None, :] * KB + c[:, None]
-                    sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-                    zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-                    kt = code.to(tl.float32) * sc + zp
-                    scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+                grp = g0 + (i // K_GROUP).to(tl.int64)
+                sz = grp[None, :] * KB + c[:, None]
+                sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+                zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+                kt = code.to(tl.float32) * sc + zp
+                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
     return scores
 
 
@@ -221,17 +161,13 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
               K_GROUP, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
               PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr, KU: tl.constexpr):
+              BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr):
     """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens (with ``FOLD_K``,
     tiles start at multiples of ``BLOCK_N`` so none straddles a K token group; the launcher checks that
-    ``BLOCK_N`` divides the group). A tile's V loads are issued before its K work, so they are in flight
-    while the scores are computed."""
+    ``BLOCK_N`` divides the group)."""
     a = tl.maximum(lo, c_lo)
     e = tl.minimum(hi, c_hi)
     d = tl.arange(0, D_PAD)
-    PER: tl.constexpr = 8 // VW  # V codes per byte, bytes per row, scale groups per row
-    RB: tl.constexpr = D * VW // 8
-    NG: tl.constexpr = D // V_GROUP
     start = a
     if FOLD_K:
         start = tl.where(a < e, a - a % BLOCK_N, e)
@@ -239,37 +175,39 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         i = t0 + tl.arange(0, BLOCK_N)
         tok_ok = (i >= a) & (i < e)
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
-        rows = vbase + i.to(tl.int64)
-        if VW == 16:
-            v16 = tl.load(vc_ptr + rows[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0.0)
-        else:
-            rb = tl.arange(0, RB)
-            byte = tl.load(vc_ptr + rows[:, None] * RB + rb[None, :], mask=tok_ok[:, None], other=0)
-            sz = rows[:, None] * NG + tl.arange(0, NG)[None, :]
-            vsc = tl.load(vs_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            vzp = tl.load(vz_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K, KU)
+                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K, KU)
+                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K, KU)
+                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K, KU)
+                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
         p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
+        rows = vbase + i.to(tl.int64)
         if VW == 16:
-            v = v16
+            v = tl.load(vc_ptr + rows[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0.0)
         else:
-            # unpack in registers: [BN, RB] -> [BN, RB, PER] -> [BN, D] (lowest code in the lowest bits, so
-            # channel = byte * PER + k); scale/zero [BN, NG] broadcast over their V_GROUP channels the same way
+            # load the packed bytes once and unpack in registers: [BN, RB] -> [BN, RB, PER] -> [BN, D]
+            # (lowest code in the lowest bits, so channel = byte * PER + k); scale/zero [BN, NG]
+            # broadcast over their V_GROUP channels the same way
+            PER: tl.constexpr = 8 // VW
+            RB: tl.constexpr = D * VW // 8
+            NG: tl.constexpr = D // V_GROUP
+            rb = tl.arange(0, RB)
+            byte = tl.load(vc_ptr + rows[:, None] * RB + rb[None, :], mask=tok_ok[:, None], other=0)
             sh = tl.arange(0, PER) * VW
             code = (byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & ((1 << VW) - 1)
             code = tl.reshape(code, [BLOCK_N, D])
-            sc = tl.reshape(tl.broadcast_to(vsc[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
-            zp = tl.reshape(tl.broadcast_to(vzp[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
+            ng = tl.arange(0, NG)
+            sz = rows[:, None] * NG + ng[None, :]
+            sc = tl.load(vs_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+            zp = tl.load(vz_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
+            zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
             v = code.to(tl.float32) * sc + zp
         acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
     return m_i, l_i, acc
@@ -291,7 +229,6 @@ def _trizone_attn(
     D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, V_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_K: tl.constexpr,
-    KU: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
@@ -342,7 +279,7 @@ def _trizone_attn(
                                       smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z,
                                       k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD, NB,
                                       K_GROUP, V_GROUP, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
-                                      scale2, FOLD_K, KU)
+                                      scale2, FOLD_K)
     else:
         cid = pid - n_ab
         s = cid // c_chunks
@@ -511,10 +448,9 @@ def _pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-# Fold K scales into q, or dequantize K codes first (see _k_scores), and how many K blocks one step loads:
-# compile-time choices, defaults chosen by GPU measurement (docs/benchmarks.md, "Decode kernel on an H200").
-FOLD_K = True
-K_UNROLL = 1
+# Fold K scales into q, or dequantize K codes first: a compile-time choice, see _k_scores. Dequantizing
+# first was 1.2-2.1x faster on an H200 in all 18 rows of the decode benchmark (docs/benchmarks.md).
+FOLD_K = False
 
 
 @dataclass(frozen=True)
@@ -524,13 +460,12 @@ class Config:
     num_stages: int = 1
     maxnreg: int | None = None  # lets ptxas use every register instead of spilling to gain occupancy
     fold_k: bool = FOLD_K  # fold K scales into q (needs block_n | k_group) rather than dequantize first
-    k_unroll: int = K_UNROLL  # K blocks per load step (a power of two; capped at the blocks per head)
 
 
 def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
     """Tile sizes per head_dim, query-row block and dtype, chosen so no variant spills registers
     (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
-    (0 or 1) / RDKV_KERNEL_K_UNROLL (1, 2, 4, ...) / RDKV_KERNEL_MAXNREG override them for experiments."""
+    (0 or 1) / RDKV_KERNEL_MAXNREG override them for experiments (scripts/bench_decode.py --sweep)."""
     block_n = 64 if D <= 128 else 32
     warps = 4 if D <= 64 else 8
     maxnreg = None
@@ -542,11 +477,8 @@ def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> C
     fold = os.environ.get("RDKV_KERNEL_FOLD_K", "")
     if fold not in ("", "0", "1"):
         raise RDKVError(f"RDKV_KERNEL_FOLD_K must be 0 or 1, got {fold!r}")
-    unroll = int(os.environ.get("RDKV_KERNEL_K_UNROLL", 0)) or K_UNROLL
-    if unroll & (unroll - 1):
-        raise RDKVError(f"RDKV_KERNEL_K_UNROLL must be a power of two, got {unroll}")
     return Config(block_n, warps, maxnreg=min(255, maxnreg) if maxnreg else None,
-                  fold_k=FOLD_K if fold == "" else fold == "1", k_unroll=unroll)
+                  fold_k=FOLD_K if fold == "" else fold == "1")
 
 
 def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
@@ -676,7 +608,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
-            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0, KU=min(cfg.k_unroll, D // spec.k_block),
+            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
         )
     if len(tabs) == 1:

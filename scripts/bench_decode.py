@@ -138,13 +138,11 @@ def peak_bandwidth(dev: torch.device) -> tuple[str, float | None, float | None]:
     return name, nominal, 2 * x.numel() / secs
 
 
-SWEEP_KEYS = ("RDKV_KERNEL_BLOCK_N", "RDKV_KERNEL_WARPS", "RDKV_KERNEL_FOLD_K", "RDKV_KERNEL_K_UNROLL",
-              "RDKV_KERNEL_MAXNREG")
-# (block_n, warps, fold K scales, K blocks per load step, register cap or None): the settings the first
-# H200 sweep left open; a register cap trades spills for more programs per SM
-SWEEP = [(64, 8, 0, 1, None), (64, 8, 0, 2, None), (64, 8, 0, 4, None), (64, 8, 1, 2, None), (128, 4, 0, 1, None),
-         (128, 4, 0, 2, None), (128, 4, 1, 1, None), (128, 4, 1, 2, None), (64, 4, 0, 2, None), (32, 4, 0, 2, None),
-         (128, 8, 0, 2, None), (256, 4, 0, 1, None), (64, 4, 0, 1, 128), (64, 8, 0, 1, 128), (128, 4, 0, 2, 128)]
+SWEEP_KEYS = ("RDKV_KERNEL_BLOCK_N", "RDKV_KERNEL_WARPS", "RDKV_KERNEL_FOLD_K", "RDKV_KERNEL_MAXNREG")
+# (block_n, warps, fold K scales, register cap or None): the settings the H200 sweeps left close
+# (docs/results/gpu/); a register cap trades spills for more programs per SM
+SWEEP = [(64, 8, 0, None), (64, 8, 0, 128), (128, 4, 0, None), (128, 4, 1, None), (64, 4, 0, 128),
+         (128, 4, 0, 128), (256, 4, 0, None), (32, 4, 0, None)]
 
 
 def set_launch(combo: tuple | None) -> None:
@@ -156,8 +154,8 @@ def set_launch(combo: tuple | None) -> None:
 
 
 def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
-    """Graph time of the fused step over launch settings (tokens per tile, warps, K path, K blocks per
-    load step) at one (context, batch, budget), each checked against the torch reference: the
+    """Graph time of the fused step over launch settings (tokens per tile, warps, K path, register cap)
+    at one (context, batch, budget), each checked against the torch reference: the
     measurement behind ``launch_config``'s choices. Returns the fastest setting."""
     from rdkv.kernels.trizone_decode import trizone_decode
     from rdkv.reference import trizone_attention
@@ -170,8 +168,8 @@ def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
     read = layer.nbytes + q.numel() * q.element_size()
     lines = [f"# Launch sweep: context {T}, batch {B}, budget {budget} (bytes {ratio:.3f}), {torch.cuda.get_device_name(dev)}",
              "", "Max |error| is against the torch reference in fp32 (fp16 kernel output: one ulp at |out| ~ 1 is 1e-3).", "",
-             "| block_n | warps | K path | K blocks per step | register cap | graph us | GB/s read | max error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| block_n | warps | K path | register cap | graph us | GB/s read | max error |",
+             "|---|---|---|---|---|---|---|"]
     best = (float("inf"), None)
     for combo in SWEEP:
         set_launch(combo)
@@ -184,7 +182,7 @@ def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
             print(f"{combo}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         if t and err is not None and err < 1e-2 and t < best[0]:
             best = (t, combo)
-        row = (f"| {combo[0]} | {combo[1]} | {'fold' if combo[2] else 'deq-first'} | {combo[3]} | {combo[4] or '-'} | "
+        row = (f"| {combo[0]} | {combo[1]} | {'fold' if combo[2] else 'deq-first'} | {combo[3] or '-'} | "
                f"{t * 1e6 if t else float('nan'):.1f} | {read / t / 1e9 if t else float('nan'):.0f} | "
                f"{err if err is not None else float('nan'):.1e} |")
         print(row, flush=True)
@@ -237,7 +235,7 @@ def main(argv=None) -> int:
 
         cfg = launch_config(D, 16, torch.float16)
         fused_fold = cfg.fold_k
-        setting = (f"block_n {cfg.block_n}, {cfg.num_warps} warps, {cfg.k_unroll} K blocks per step"
+        setting = (f"block_n {cfg.block_n}, {cfg.num_warps} warps"
                    + (f", at most {cfg.maxnreg} registers" if cfg.maxnreg else ""))
     else:
         from rdkv.reference import trizone_attention as fused

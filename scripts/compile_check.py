@@ -47,7 +47,7 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=D, dtype="fp16", GL=8, L=1, flags=(True, True, True), kb=16))
         out.append(dict(D=D, dtype="bf16", GL=8, L=1, flags=(False, False, False), kb=32))
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
-        out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, fold=False))  # dequantize first
+        out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, fold=True))  # scales folded
     return out
 
 
@@ -145,7 +145,7 @@ def compile_one(v: dict, arch: int) -> dict:
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
     consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], V_GROUP=32, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
-                  FOLD_K=v.get("fold", cfg.fold_k), KU=min(v.get("ku", cfg.k_unroll), D // v["kb"]))
+                  FOLD_K=v.get("fold", cfg.fold_k))
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
     fn = m._trizone_attn
     sig = signature(fn, v["dtype"], dt16)
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         print(head)
     for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        name = "merge" if r.get("kernel") == "merge" else "deq" if r.get("fold") is False else "attn"
+        name = "merge" if r.get("kernel") == "merge" else "fold" if r.get("fold") else "attn"
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:

@@ -7,7 +7,8 @@
 #   4. a sweep of launch settings at one point (bench_decode.py --sweep);
 #   5. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
 # STAGES="tests bench sweep compress" (the default) picks stages, so a short loan can split them over calls;
-# STAGES=tune runs the sweep and then the table with its fastest setting.
+# STAGES=tune runs the sweep and then the table with its fastest setting; STAGES=profile reads one decode
+# launch's hardware counters with ncu (not in the default list).
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
 # bench.txt, bench_decode.md/json, bench_compress.txt, bench_compress_kernels.md/json. Exit status: non-zero if the tests or the benchmark failed.
 #
@@ -86,6 +87,17 @@ fi
 if stage tune; then
     echo "== launch settings at 128k, batch 8, 10%, then the table with the fastest =="
     timeout "${TUNE_TIMEOUT:-300}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" --sweep "${SWEEP_AT:-131072,8,0.1}" --then-table 2>&1 | tee "$OUT/tune.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if stage profile; then
+    # hardware counters of one decode launch at 128k, batch 8, 10% (ncu reads them on Firecracker
+    # machines; --clock-control none leaves the clocks alone): occupancy, memory throughput, stall reasons
+    echo "== ncu: one _trizone_attn launch =="
+    timeout "${PROFILE_TIMEOUT:-150}" ncu --clock-control none --kernel-name regex:_trizone_attn --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats --section SchedulerStats \
+        "$PY" scripts/bench_decode.py --device cuda --contexts 131072 --batches 8 --budgets 0.1 --no-deq --quick 2>&1 | tee "$OUT/ncu.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
