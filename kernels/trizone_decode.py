@@ -173,7 +173,10 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         start = tl.where(a < e, a - a % BLOCK_N, e)
     for t0 in range(start, e, BLOCK_N):
         i = t0 + tl.arange(0, BLOCK_N)
-        tok_ok = (i >= a) & (i < e)
+        if FOLD_K:
+            tok_ok = (i >= a) & (i < e)
+        else:
+            tok_ok = i < e
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,

@@ -30,6 +30,7 @@ class CompressConfig:
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
     window: int | None = None  # W: weigh by the last W prefill queries (None: 64, or all attach recorded if fewer)
+    window_sliding: int | None = None  # W for sliding-window layers (Gemma 3's local layers); None: ``window``
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
     evict_jointly: bool = False  # each pass adds the cross terms of evicting the previous pass's set together
@@ -63,8 +64,10 @@ class CompressConfig:
             raise RDKVError("surprisal and floor must be >= 0")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise RDKVError(f"window must be a positive int or None, got {self.window!r}")
+        for name in ("window", "window_sliding"):
+            w = getattr(self, name)
+            if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+                raise RDKVError(f"{name} must be a positive int or None, got {w!r}")
         if not isinstance(self.passes, int) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
 
@@ -224,7 +227,8 @@ def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
 
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
-    sums = layer_sums(st, cfg.weights, start, cfg.window)
+    window = cfg.window_sliding if st.sliding_window is not None and cfg.window_sliding else cfg.window
+    sums = layer_sums(st, cfg.weights, start, window)
     if cfg.prerope:
         sums.q2 = pair_mean(sums.q2)
     if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended
@@ -242,7 +246,7 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
     t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
     if cfg.evict_jointly:
-        q, q_pos = window_queries(st, cfg.window)
+        q, q_pos = window_queries(st, window)
         key = st.key[..., start - st.start :, :]  # as the queries saw them (rotated, even with prerope)
         t.reprice = joint_reprice(t, q, key, v, q_pos, torch.arange(start, st.seen, device=q.device), st.scaling,
                                   st.sliding_window, st.softcap)
@@ -271,9 +275,11 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
         overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
     cfg = _config(config, overrides)
     state = _state(model)
-    if cfg.window is not None and cfg.window > state.window:
-        raise RDKVError(f"window={cfg.window} but attach recorded only the last {state.window} prefill queries: "
-                        f"attach with rdkv.attach(model, window={cfg.window}) and prefill again")
+    for name in ("window", "window_sliding"):
+        w = getattr(cfg, name)
+        if w is not None and w > state.window:
+            raise RDKVError(f"{name}={w} but attach recorded only the last {state.window} prefill queries: "
+                            f"attach with rdkv.attach(model, window={w}) and prefill again")
     cfg = replace(cfg, window=cfg.window or min(DEFAULT_WINDOW, state.window))
     n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
     if sorted(state.layers) != list(range(n_layers)):

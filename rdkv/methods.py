@@ -34,6 +34,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     # weights from all 256 recorded queries instead of the last 64: better on Gemma 3 query-agnostic (1k), worse
     # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (README, "What this round changed")
     "rdkv-w256": {"window": 256},
+    "rdkv-wsl256": {"window_sliding": 256},  # all 256 queries for sliding-window layers only (Gemma 3's local ones)
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},

@@ -163,3 +163,27 @@ def test_window_option_takes_the_last_recorded_queries_and_refuses_more():
         rdkv.compress(model, 0.3, window=32, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="window must be a positive int"):
         rdkv.compress(model, 0.3, window=0, **SMALL)
+
+
+def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
+    """window_sliding changes the weights (so the tables) of Gemma 3's sliding layers and leaves the full
+    layer exactly as it was; asking for more than attach recorded is refused."""
+    from conftest import tiny_gemma3
+
+    from rdkv.api import allocation_tables
+
+    model = rdkv.attach(tiny_gemma3(), window=16)
+    model(torch.randint(0, 96, (1, 60)), use_cache=True)
+    _, base, _ = allocation_tables(model, window=4, **SMALL)
+    _, mixed, _ = allocation_tables(model, window=4, window_sliding=16, **SMALL)
+    kinds = model.config.layer_types
+    for kind, a, b in zip(kinds, base, mixed):
+        if kind == "full_attention":
+            assert torch.equal(a.dv, b.dv) and torch.equal(a.dk, b.dk)
+        else:
+            assert not torch.allclose(a.dv[..., 1:], b.dv[..., 1:])
+    assert float(mixed[0].nq[0]) == 16 * 2 and float(mixed[2].nq[0]) == 4 * 2  # queries x query heads
+    with pytest.raises(rdkv.RDKVError, match="window_sliding=32 but attach recorded only the last 16"):
+        rdkv.compress(model, 0.3, window_sliding=32, **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="window_sliding must be a positive int"):
+        rdkv.compress(model, 0.3, window_sliding=True, **SMALL)
