@@ -271,6 +271,9 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
         raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in RDKV_VARIANTS:
         overrides = {**RDKV_VARIANTS[method], **overrides}
+        tuned = getattr(model, "_rdkv_prior", None)  # rdkv.tune_prior's choice, unless the call sets a prior
+        if tuned is not None and config is None and not {"floor", "surprisal"} & set(overrides):
+            overrides = {"floor": tuned.floor, "surprisal": tuned.surprisal, **overrides}
     else:
         overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
     cfg = _config(config, overrides)

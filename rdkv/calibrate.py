@@ -86,6 +86,51 @@ def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
     return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method)
 
 
+def _check_texts(model: torch.nn.Module, texts, prefix: float, what: str) -> list[torch.Tensor]:
+    if getattr(model, "_rdkv_state", None) is None:
+        raise RDKVError(f"model is not attached: call rdkv.attach(model) before rdkv.{what}")
+    texts = [texts] if isinstance(texts, torch.Tensor) else list(texts)
+    for ids in texts:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 8:
+            raise RDKVError(f"calibration texts must be token ids of shape [1, T >= 8], got "
+                            f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if not 0 < prefix < 1:
+        raise RDKVError(f"prefix must be a fraction in (0, 1), got {prefix}")
+    return texts
+
+
+def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
+             calls: list[tuple[object, float, dict]]) -> list[tuple[object, float, float]]:
+    """For each text: prefill its first ``prefix`` fraction, then for each (key, budget, compress kwargs)
+    compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
+    Budgets too small for a text are skipped. The user's record of their last prefill is restored."""
+    from .api import compress
+
+    state = model._rdkv_state
+    saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
+    out = []
+    try:
+        for ids in texts:
+            n = int(ids.shape[1] * prefix)
+            full = model(ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values
+            got = []
+            for key, b, kw in calls:
+                try:
+                    cache = compress(model, b, **kw)
+                except RDKVError as e:
+                    if "too small" not in str(e):
+                        raise
+                    continue
+                got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
+            ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
+            out += [(key, d, float((ref.exp() * (ref - lp)).sum(-1).mean())) for key, d, lp in got]
+    finally:
+        state.layers.clear()
+        state.layers.update(saved[0])
+        state.ids, state.hidden, state.surprisal = saved[1:]
+    return out
+
+
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
               budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "rdkv", **options) -> Calibration:
@@ -95,39 +140,54 @@ def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], 
 
     The attached model's record of the user's last prefill is kept: it is restored afterwards.
     """
-    from .api import compress
-
-    state = getattr(model, "_rdkv_state", None)
-    if state is None:
-        raise RDKVError("model is not attached: call rdkv.attach(model) before rdkv.calibrate")
-    texts = [texts] if isinstance(texts, torch.Tensor) else list(texts)
-    for ids in texts:
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 8:
-            raise RDKVError(f"calibration texts must be token ids of shape [1, T >= 8], got "
-                            f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-    if not 0 < prefix < 1:
-        raise RDKVError(f"prefix must be a fraction in (0, 1), got {prefix}")
-    saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
-    pairs = []
-    try:
-        for ids in texts:
-            n = int(ids.shape[1] * prefix)
-            full = model(ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values
-            points = []
-            for b in budgets:
-                try:
-                    cache = compress(model, b, method=method, **options)
-                except RDKVError as e:
-                    if "too small" not in str(e):
-                        raise
-                    continue
-                points.append((cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
-            ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
-            pairs += [(d, float((ref.exp() * (ref - got)).sum(-1).mean())) for d, got in points]
-    finally:
-        state.layers.clear()
-        state.layers.update(saved[0])
-        state.ids, state.hidden, state.surprisal = saved[1:]
-    cal = fit(pairs, method)
+    texts = _check_texts(model, texts, prefix, "calibrate")
+    pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, **options)) for b in budgets])
+    cal = fit([(d, kl) for _, d, kl in pairs], method)
     model._rdkv_calibration = cal
     return cal
+
+
+# (floor, surprisal) candidates for tune_prior: today's default, two stronger reserves, and the one
+# Gemma 3 prose preferred in docs/results/perplexity_gemma3-270m_prose-3win-variants2.md
+PRIORS: tuple[tuple[float, float], ...] = ((0.0, 0.5), (0.0, 1.5), (1.0, 3.0), (3.0, 3.0))
+
+
+@dataclass(frozen=True)
+class PriorFit:
+    """The reserve for unseen questions ``tune_prior`` picked, and every candidate's score."""
+
+    floor: float
+    surprisal: float
+    scores: tuple[tuple[float, float, float], ...]  # (floor, surprisal, mean log KL over texts and budgets)
+
+
+@torch.no_grad()
+def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
+               budgets: tuple[float, ...] = (0.1, 0.25), candidates: tuple[tuple[float, float], ...] = PRIORS,
+               **options) -> PriorFit:
+    """Pick the prior (``floor``, ``surprisal``: how much attention compress reserves for questions the
+    prefill did not ask) with the lowest mean log KL over calibration texts and budgets, and store it on
+    ``model``: later ``compress`` calls with ``method="rdkv"`` (or a variant that does not set its own
+    prior) and no ``config`` use it unless ``floor``/``surprisal`` are given. How much reserve pays
+    depends on the model: Gemma 3 270M's prose wanted far more than SmolLM2 (README, "Perplexity").
+
+    Mean log KL, not mean KL: every budget and text counts, not only the coarsest. The user's record of
+    their last prefill is restored afterwards.
+    """
+    texts = _check_texts(model, texts, prefix, "tune_prior")
+    if not candidates or any(len(c) != 2 or min(c) < 0 for c in candidates):
+        raise RDKVError(f"candidates must be (floor, surprisal) pairs of non-negative numbers, got {candidates!r}")
+    if {"floor", "surprisal", "method", "config"} & set(options):
+        raise RDKVError("tune_prior chooses floor and surprisal for method='rdkv'; pass other options only")
+    calls = [(c, b, dict(floor=c[0], surprisal=c[1], **options)) for c in candidates for b in budgets]
+    logs: dict = {c: [] for c in candidates}
+    for c, _, kl in _measure(model, texts, prefix, calls):
+        logs[c].append(math.log(max(kl, 1e-12)))
+    n = {len(v) for v in logs.values()}
+    if n != {len(texts) * len(budgets)}:
+        raise RDKVError("some budgets did not fit every calibration text: use longer texts or larger budgets")
+    scores = tuple((c[0], c[1], sum(v) / len(v)) for c, v in logs.items())
+    best = min(scores, key=lambda x: x[2])
+    fit_ = PriorFit(best[0], best[1], scores)
+    model._rdkv_prior = fit_
+    return fit_

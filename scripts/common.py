@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import platform
+import sysconfig
 import time
 import warnings
 from dataclasses import fields
@@ -31,6 +33,8 @@ def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.Argu
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a few-minute run on 2 cores")
     ap.add_argument("--tag", default=None, help="suffix of the result files (default: quick or full)")
+    ap.add_argument("--tune-prior", action="store_true",
+                    help="fit floor/surprisal on calibration text first (rdkv.tune_prior); plain rdkv rows then use it")
     return ap
 
 
@@ -69,7 +73,45 @@ def needs_all_queries(methods: list[str]) -> bool:
 def header(args) -> str:
     return (f"Command: `python {' '.join(os.sys.argv)}`  \n"
             f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-            f"transformers {__import__('transformers').__version__}; date {time.strftime('%Y-%m-%d')}\n")
+            f"transformers {__import__('transformers').__version__}; date {time.strftime('%Y-%m-%d')}\n"
+            + (f"\n{args.prior_note}\n" if getattr(args, "prior_note", None) else ""))
+
+
+def domain_text(name: str) -> str:
+    if name == "prose":
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    if name == "code":
+        import argparse
+
+        return inspect.getsource(argparse)
+    if name == "legal":
+        return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    raise ValueError(name)
+
+
+def calibration_texts(tok, offset: int = 30000) -> list[torch.Tensor]:
+    """Text the evaluations do not score: prose tokens offset..offset+1024 of the language reference and the
+    first 1024 tokens of the ``collections`` module (the code domain scores ``argparse``)."""
+    import collections
+
+    prose = tok(domain_text("prose"), return_tensors="pt").input_ids
+    code = tok(inspect.getsource(collections), return_tensors="pt").input_ids
+    return [prose[:, offset : offset + 1024], code[:, :1024]]
+
+
+def tune_prior(model, tok, args) -> None:
+    """With ``--tune-prior``: ``rdkv.tune_prior`` on :func:`calibration_texts`, so plain ``rdkv`` rows use the
+    model's own prior; the choice and every candidate's score go into the results header."""
+    if not args.tune_prior:
+        return
+    fit = rdkv.tune_prior(model, calibration_texts(tok))
+    scores = ", ".join(f"({f:g}, {s:g}): {v:.3f}" for f, s, v in fit.scores)
+    args.prior_note = (f"Prior tuned on this model (`rdkv.tune_prior` on common.calibration_texts, budgets 0.1/0.25): "
+                       f"`rdkv` rows use floor={fit.floor:g}, surprisal={fit.surprisal:g}; mean log KL per (floor, "
+                       f"surprisal): {scores}.")
+    print(args.prior_note, flush=True)
 
 
 def settings(method: str, budgets: list[float]) -> list[float | None]:

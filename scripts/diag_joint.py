@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 
 import rdkv
-from common import header, parser, publish, split_method, table
-from eval_perplexity import domain_text
+from common import domain_text, header, parser, publish, split_method, table
 from rdkv.attention import allowed_keys
 
 

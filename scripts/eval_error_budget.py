@@ -13,8 +13,6 @@
 """
 from __future__ import annotations
 
-import collections
-import inspect
 import statistics
 
 from scipy.stats import spearmanr
@@ -23,11 +21,10 @@ from tqdm import tqdm
 import torch
 
 import rdkv
-from common import forward, full_reference, header, kl, parser, table, write
+from common import calibration_texts, domain_text, forward, full_reference, header, kl, parser, table, write
 from rdkv.attention import allowed_keys
 from rdkv.calibrate import cache_options, modelled_distortion
 from rdkv.reference import partial_attention
-from eval_perplexity import domain_text
 
 
 def layer_distortion(tables, cache) -> list[float]:
@@ -70,10 +67,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model)
-    prose = tok(domain_text("prose"), return_tensors="pt").input_ids
     a = args.calibration_offset
-    code = tok(inspect.getsource(collections), return_tensors="pt").input_ids
-    cal = rdkv.calibrate(model, [prose[:, a : a + 1024], code[:, :1024]])
+    cal = rdkv.calibrate(model, calibration_texts(tok, a))
     rows, points, layer_points = [], [], []
     jobs = [(d, n) for d in args.domains for n in args.contexts]
     for domain, n in tqdm(jobs, desc="prefills"):

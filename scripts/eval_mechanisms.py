@@ -37,8 +37,7 @@ from statistics import mean, median
 from typing import Any
 
 import torch
-from common import RESULTS, forward, header, kl, parser, publish, table
-from eval_perplexity import domain_text
+from common import RESULTS, domain_text, forward, header, kl, parser, publish, table
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

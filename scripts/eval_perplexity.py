@@ -17,30 +17,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import inspect
 import math
-import sysconfig
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 import rdkv
-from common import compressions, forward, full_reference, header, kl, needs_all_queries, parser, table, write
-
-
-def domain_text(name: str) -> str:
-    if name == "prose":
-        from pydoc_data.topics import topics
-
-        return "\n\n".join(topics[k] for k in sorted(topics))
-    if name == "code":
-        import argparse
-
-        return inspect.getsource(argparse)
-    if name == "legal":
-        return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
-    raise ValueError(name)
+from common import (compressions, domain_text, forward, full_reference, header, kl, needs_all_queries, parser, table,
+                    tune_prior, write)
 
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -80,6 +64,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
+    tune_prior(model, tok, args)
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
     for domain in tqdm(args.domains, desc="domains"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import rdkv
 from common import (answer_scores, by_depth, compressions, forward, full_reference, header, kl, needs_all_queries, parser,
-                    probe_inputs, table, write)
+                    probe_inputs, table, tune_prior, write)
 
 
 def main() -> None:
@@ -35,6 +35,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
+    tune_prior(model, tok, args)
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
     jobs = [(n, d, s, p) for n in args.contexts for d in args.depths for s in seeds for p in args.protocols]

@@ -79,3 +79,37 @@ def test_calibrate_bad_input(calibrated, texts, kwargs, match):
     with pytest.raises(rdkv.RDKVError, match=match):
         rdkv.calibrate(model, texts, **kwargs, **SMALL)
     assert model._rdkv_calibration is cal  # the previous calibration stays
+
+
+def test_tune_prior_picks_the_lowest_mean_log_kl_and_compress_uses_it():
+    """tune_prior scores every candidate on the same texts and budgets, keeps the one with the lowest mean
+    log KL (checked against the KLs measured here directly), restores the user's prefill, and compress
+    uses the choice unless the call or the variant sets a prior."""
+    import math
+
+    from rdkv.calibrate import _measure
+
+    model = rdkv.attach(tiny_llama(7))
+    g = torch.Generator().manual_seed(1)
+    cal_ids, ids = torch.randint(0, 96, (1, 240), generator=g), torch.randint(0, 96, (1, 150), generator=g)
+    model(ids, use_cache=True)
+    before = rdkv.compress(model, 0.2, **SMALL)
+    cands = ((0.0, 0.0), (0.0, 0.5), (5.0, 5.0))
+    fit_ = rdkv.tune_prior(model, cal_ids, budgets=(0.15, 0.3), candidates=cands, **SMALL)
+    direct = _measure(model, [cal_ids], 0.75,
+                      [(c, b, dict(floor=c[0], surprisal=c[1], **SMALL)) for c in cands for b in (0.15, 0.3)])
+    want = {c: sum(math.log(kl) for k, _, kl in direct if k == c) / 2 for c in cands}
+    assert [s[2] for s in fit_.scores] == pytest.approx([want[c] for c in cands], rel=1e-6)
+    assert (fit_.floor, fit_.surprisal) == min(want, key=want.get)
+    assert len({round(v, 6) for v in want.values()}) == 3  # the candidates really allocate differently
+    # compress: the user's prefill is back, and the tuned prior is what plain rdkv now uses
+    tuned = rdkv.compress(model, 0.2, **SMALL)
+    explicit = rdkv.compress(model, 0.2, floor=fit_.floor, surprisal=fit_.surprisal, **SMALL)
+    assert tuned.get_seq_length() == 150 and tuned.nbytes == explicit.nbytes
+    assert tuned.distortion == pytest.approx(explicit.distortion)
+    default = rdkv.compress(model, 0.2, floor=0.0, surprisal=0.5, **SMALL)  # what the call says wins
+    assert default.distortion == pytest.approx(before.distortion)
+    with pytest.raises(rdkv.RDKVError, match="chooses floor and surprisal"):
+        rdkv.tune_prior(model, cal_ids, floor=1.0)
+    with pytest.raises(rdkv.RDKVError, match="candidates"):
+        rdkv.tune_prior(model, cal_ids, candidates=((1.0,),))
