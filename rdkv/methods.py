@@ -35,6 +35,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (README, "What this round changed")
     "rdkv-w256": {"window": 256},
     "rdkv-wsl256": {"window_sliding": 256},  # all 256 queries for sliding-window layers only (Gemma 3's local ones)
+    "rdkv-wgl256": {"window": 256, "window_sliding": 64},  # all 256 for global layers only (= rdkv-w256 without local layers)
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},
