@@ -38,6 +38,7 @@ class CompressConfig:
     passes: int = 3  # allocation passes: K is re-priced for the tokens the previous pass kept (solvers/allocate)
     floor: float = 0.0  # prior attention a future query may put on any token (see rdkv.distortion)
     surprisal: float = 0.5  # weight of a prior proportional to each token's (pooled) surprisal; 0 = off
+    q_floor: float = 0.0  # fraction of each K channel's query weight replaced by the channel mean (rdkv.distortion)
     pool: int = 7  # surprisal max-pool width (odd)
     pool_weights: int = 1  # max-pool width (odd) of the attention weights; 1 = none
     evict: bool = True  # False: every token keeps at least 2 bits
@@ -62,6 +63,8 @@ class CompressConfig:
             raise RDKVError("pool and pool_weights must be positive odd ints")
         if self.surprisal < 0 or self.floor < 0:
             raise RDKVError("surprisal and floor must be >= 0")
+        if not 0 <= self.q_floor <= 1:
+            raise RDKVError(f"q_floor must be a fraction in [0, 1], got {self.q_floor}")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
         for name in ("window", "window_sliding"):
@@ -239,7 +242,8 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     if surprise is not None:
         s = surprise[:, None, start:] * present
         prior = prior + cfg.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
-    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to)
+    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to,
+                     cfg.q_floor)
     t.fixed = _fixed(k.shape[1], k.shape[-1], cfg)
     pos = torch.arange(start, st.seen, device=k.device)
     first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token

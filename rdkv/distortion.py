@@ -129,12 +129,15 @@ def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: Pac
 
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
                  spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | float | None = None,
-                 evict_to: str = "heavy") -> LayerTables:
+                 evict_to: str = "heavy", q_floor: float = 0.0) -> LayerTables:
     """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
 
     ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,
     per query, beyond what the prefill's queries did (the uniform ``floor`` plus optional surprisal).
     ``evict_to`` is the value an evicted token's error is measured from (:data:`EVICT_TO`).
+    ``q_floor`` is the prior's twin for K channels: that fraction of each channel's squared query weight
+    is replaced by the mean over channels, so a channel the weight queries barely used still costs
+    something to quantize coarsely (a later query may use it).
     """
     if model not in MODELS:
         raise RDKVError(f"unknown distortion model {model!r}; choose one of {MODELS}")
@@ -155,7 +158,10 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
                 to_mean = torch.where(heavy, to_mean, drift)
             ev[..., 0] = to_mean
         dv = m.unsqueeze(-1) * ev
-        dkc = scaling**2 * (sums.q2 / nq).unsqueeze(-1) * _k_errors(k, m * drift, present, spec)
+        q2 = sums.q2 / nq
+        if q_floor:
+            q2 = (1 - q_floor) * q2 + q_floor * q2.mean(-1, keepdim=True)
+        dkc = scaling**2 * q2.unsqueeze(-1) * _k_errors(k, m * drift, present, spec)
     else:
         halving = 2.0 ** -W.clamp_min(0).to(k.device)
         halving[0] = 1.0

@@ -187,3 +187,26 @@ def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
         rdkv.compress(model, 0.3, window_sliding=32, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="window_sliding must be a positive int"):
         rdkv.compress(model, 0.3, window_sliding=True, **SMALL)
+
+
+def test_q_floor_mixes_the_channel_mean_into_k_weights():
+    """q_floor=f prices K as if each channel's squared query weight were (1-f) q2 + f mean(q2): checked
+    against tables built from sums whose q2 was mixed by hand. A channel the window never queried still
+    costs something at f > 0, and V prices do not move."""
+    import dataclasses
+
+    k, v, sums = sink_head(1)
+    q2 = torch.zeros(1, 1, D)
+    q2[..., :8] = 64.0 * 4  # the window used 8 of 32 channels only
+    sums = dataclasses.replace(sums, q2=q2)
+    present = torch.ones(1, 1, T, dtype=torch.bool)
+    plain = layer_tables(k, v, present, sums, D**-0.5, SPEC, T)
+    for f in (0.25, 1.0):
+        floored = layer_tables(k, v, present, sums, D**-0.5, SPEC, T, q_floor=f)
+        mixed = dataclasses.replace(sums, q2=(1 - f) * q2 + f * q2.mean(-1, keepdim=True))
+        want = layer_tables(k, v, present, mixed, D**-0.5, SPEC, T)
+        assert torch.allclose(floored.dk, want.dk) and torch.equal(floored.perm, want.perm)
+        assert torch.equal(floored.dv, plain.dv)
+    assert (plain.dk[0, 0, :, 1] == 0).sum() >= 1 and (floored.dk[0, 0, :, 1] > 0).all()  # unqueried blocks now cost
+    with pytest.raises(rdkv.RDKVError, match="q_floor must be a fraction"):
+        rdkv.CompressConfig(q_floor=1.5).check()
