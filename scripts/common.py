@@ -33,8 +33,6 @@ def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.Argu
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a few-minute run on 2 cores")
     ap.add_argument("--tag", default=None, help="suffix of the result files (default: quick or full)")
-    ap.add_argument("--tune-prior", action="store_true",
-                    help="fit floor/surprisal on calibration text first (rdkv.tune_prior); plain rdkv rows then use it")
     return ap
 
 
@@ -101,9 +99,14 @@ def calibration_texts(tok, offset: int = 30000) -> list[torch.Tensor]:
     return [prose[:, offset : offset + 1024], code[:, :1024]]
 
 
+def add_tune_prior(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--tune-prior", action="store_true",
+                    help="fit floor/surprisal on calibration text first (rdkv.tune_prior); plain rdkv rows then use it")
+
+
 def tune_prior(model, tok, args) -> None:
-    """With ``--tune-prior``: ``rdkv.tune_prior`` on :func:`calibration_texts`, so plain ``rdkv`` rows use the
-    model's own prior; the choice and every candidate's score go into the results header."""
+    """With ``--tune-prior`` (:func:`add_tune_prior`): ``rdkv.tune_prior`` on :func:`calibration_texts`, so plain
+    ``rdkv`` rows use the model's own prior; the choice and every candidate's score go into the results header."""
     if not args.tune_prior:
         return
     fit = rdkv.tune_prior(model, calibration_texts(tok))

@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (compressions, domain_text, forward, full_reference, header, kl, needs_all_queries, parser, table,
-                    tune_prior, write)
+from common import (add_tune_prior, compressions, domain_text, forward, full_reference, header, kl, needs_all_queries,
+                    parser, table, tune_prior, write)
 
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -56,6 +56,7 @@ def main() -> None:
                     help="prefix + continuation windows per domain, spread over the text; scores are means over them")
     ap.add_argument("--fold", type=int, nargs="+", default=[0], help="zone-C fold sizes to compare (0 = never)")
     ap.add_argument("--step", type=int, default=16, help="tokens per forward when folding")
+    add_tune_prior(ap)
     args = ap.parse_args()
     if args.quick:
         args.budgets, args.continuation = [0.1, 0.25], 128

@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (answer_scores, by_depth, compressions, forward, full_reference, header, kl, needs_all_queries, parser,
-                    probe_inputs, table, tune_prior, write)
+from common import (add_tune_prior, answer_scores, by_depth, compressions, forward, full_reference, header, kl,
+                    needs_all_queries, parser, probe_inputs, table, tune_prior, write)
 
 
 def main() -> None:
@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="one probe per seed (its own needle and filler), context and depth; default: --seed")
     ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
+    add_tune_prior(ap)
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
