@@ -17,13 +17,13 @@ Each row: median time of both paths (triton.testing.do_bench on CUDA) and the la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
 
+from common import save_outputs
 from rdkv import quant
 from rdkv.attention import attend
 
@@ -101,12 +101,7 @@ def main(argv=None) -> int:
               f"{r['torch_us'] / r['triton_us']:.1f} | {r['diff']} |" for r in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_compress_kernels.md"), "w") as fh:
-            fh.write(text)
-        with open(os.path.join(a.out, "bench_compress_kernels.json"), "w") as fh:
-            json.dump(dict(device=name, rows=rows), fh, indent=1)
+    save_outputs(a.out, "bench_compress_kernels", text, dict(device=name, rows=rows))
     return 0
 
 

@@ -33,7 +33,6 @@ hit the budget as a fraction of the fp16 cache.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,6 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common import save_outputs
 from rdkv.trizone import PackSpec, pack_layer
 
 H, G, D = 8, 4, 128
@@ -191,10 +191,7 @@ def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
     lines += ["", f"Fastest: {best[1]} at {best[0] * 1e6:.1f} us."]
     text = "\n".join(lines) + "\n"
     print(text)
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "bench_decode_sweep.md"), "w") as fh:
-            fh.write(text)
+    save_outputs(out, "bench_decode_sweep", text)
     return best[1]
 
 
@@ -330,12 +327,7 @@ def main(argv=None) -> int:
                      f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_decode.md"), "w") as fh:
-            fh.write(text)
-        with open(os.path.join(a.out, "bench_decode.json"), "w") as fh:
-            json.dump(dict(device=name, nominal_bw=nominal, copy_bw=copy_bw, rows=rows), fh, indent=1)
+    save_outputs(a.out, "bench_decode", text, dict(device=name, nominal_bw=nominal, copy_bw=copy_bw, rows=rows))
     return 0
 
 

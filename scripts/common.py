@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
+import json
 import os
 import platform
 import sysconfig
@@ -224,6 +225,19 @@ def publish(name: str, md: str) -> None:
     print(md)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.md").write_text(md)
+
+
+def save_outputs(folder: str | None, name: str, text: str, data: dict | None = None) -> None:
+    """A benchmark's ``--out``: write ``<name>.md`` (and ``<name>.json`` when ``data`` is given) into
+    ``folder``, if one was given."""
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{name}.md"), "w") as fh:
+        fh.write(text)
+    if data is not None:
+        with open(os.path.join(folder, f"{name}.json"), "w") as fh:
+            json.dump(data, fh, indent=1)
 
 
 def write(name: str, md: str, rows: list[dict], ys: list[str], title: str) -> None:
