@@ -17,7 +17,7 @@ from .errors import RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
 from .trizone import PackSpec, TriZoneCache, pack_choice
-from .weights import FORMS, layer_sums, window_queries
+from .weights import FORMS, layer_sums, per_visible, window_queries
 from .solvers.allocate import allocate
 
 NAME = "rdkv"
@@ -45,6 +45,7 @@ class CompressConfig:
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
     prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
+    visible: float = 0.0  # 1: window weights per window query that can see the token; 0: off (rdkv.weights.per_visible)
     spec: PackSpec = field(default_factory=PackSpec)
 
     def check(self) -> None:
@@ -63,6 +64,8 @@ class CompressConfig:
             raise RDKVError("pool and pool_weights must be positive odd ints")
         if self.surprisal < 0 or self.floor < 0:
             raise RDKVError("surprisal and floor must be >= 0")
+        if not 0 <= self.visible <= 1:
+            raise RDKVError(f"visible must be a number in [0, 1] (how far to correct for causal visibility), got {self.visible!r}")
         if not 0 <= self.q_floor <= 1:
             raise RDKVError(f"q_floor must be a fraction in [0, 1], got {self.q_floor}")
         if self.sinks < 0 or self.recent < 0:
@@ -232,6 +235,8 @@ def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
     window = cfg.window_sliding if st.sliding_window is not None and cfg.window_sliding else cfg.window
     sums = layer_sums(st, cfg.weights, start, window)
+    if cfg.visible and cfg.weights == "window":
+        sums = per_visible(sums, st, start, window, cfg.visible)
     if cfg.prerope:
         sums.q2 = pair_mean(sums.q2)
     if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended

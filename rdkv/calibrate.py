@@ -170,7 +170,7 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
     ``model``: later ``compress`` calls with ``method="rdkv"`` (or a variant that does not set its own
     prior) and no ``config`` use it unless ``floor``/``surprisal`` are given. Gemma 3's prose windows
     wanted a stronger reserve than the default; on held-out calibration text both Gemma 3 and SmolLM2
-    chose the default (README, "Prior per model").
+    chose the default (docs/experiments.md, "Prior per model").
 
     Mean log KL, not mean KL: every budget and text counts, not only the coarsest. The user's record of
     their last prefill is restored afterwards.

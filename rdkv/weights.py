@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import CHUNK_ELEMENTS, AttentionSums, LayerStats, attend
+from .attention import CHUNK_ELEMENTS, AttentionSums, LayerStats, allowed_keys, attend
 from .errors import RDKVError
 
 FORMS = ("all", "window")
@@ -37,6 +37,23 @@ def window_queries(stats: LayerStats, window: int | None = None) -> tuple[torch.
     """The last ``window`` recorded queries [B, Hq, W, D] (all of them for None) and their positions [W]."""
     q = stats.window_q if window is None else stats.window_q[:, :, -window:]
     return q, torch.arange(stats.seen - q.shape[2], stats.seen, device=q.device)
+
+
+def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int | None = None,
+                power: float = 1.0) -> AttentionSums:
+    """Window sums rescaled to what a query that can see each token puts on it: multiplied by W / (the number
+    of the W window queries that can see the token). A token among the prefill's last W is seen by only the
+    window queries after it, so its plain sum under-weights it, though every later query will see it: on
+    Gemma 3 legal text at a 25% budget, one such token drew 28% of the continuation's squared attention in a
+    sliding layer and had been given 2 bits (docs/experiments.md, "Causal visibility"). Tokens older than
+    the window, which every window query sees, are unchanged. ``power`` < 1 corrects part of the way,
+    (W / seen)^power: the queries that saw a recent token saw it close by, where attention is denser than
+    at the distance later queries will see it from."""
+    q, q_pos = window_queries(stats, window)
+    k_pos = torch.arange(start, stats.seen, device=q.device)
+    seen_by = allowed_keys(q_pos, k_pos, stats.sliding_window).sum(0).clamp_min(1)  # [T]
+    scale = (q.shape[2] / seen_by).to(sums.mass.dtype) ** power
+    return AttentionSums(sums.mass * scale, sums.mass2 * scale, sums.q2, sums.nq)
 
 
 def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> AttentionSums:

@@ -210,3 +210,29 @@ def test_q_floor_mixes_the_channel_mean_into_k_weights():
     assert (plain.dk[0, 0, :, 1] == 0).sum() >= 1 and (floored.dk[0, 0, :, 1] > 0).all()  # unqueried blocks now cost
     with pytest.raises(rdkv.RDKVError, match="q_floor must be a fraction"):
         rdkv.CompressConfig(q_floor=1.5).check()
+
+
+def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():
+    """Against dense attention: squared mass per window query that can see the token, times W. Tokens older
+    than the window are unchanged; the last token, seen only by the last query, is scaled by W."""
+    from rdkv.weights import layer_sums, per_visible
+
+    model = tiny_llama(5)
+    rdkv.attach(model, window=16)
+    model(torch.randint(0, 96, (1, 64)), use_cache=True)
+    st = model._rdkv_state.layers[0]
+    plain = layer_sums(st, "window", window=16)
+    got = per_visible(plain, st, st.start, 16)
+    q, k = st.window_q[0].float(), st.key[0].float()  # [Hq, 16, D], [H, 64, D]
+    q_pos, k_pos = torch.arange(48, 64), torch.arange(64)
+    ok = allowed_keys(q_pos, k_pos, None)
+    p = (torch.einsum("hqd,htd->hqt", q, k.repeat_interleave(2, 0)) * st.scaling).masked_fill(~ok, float("-inf")).softmax(-1)
+    want = p.square().sum(1).unflatten(0, (2, 2)).sum(1) * 16 / ok.sum(0)  # grouped heads summed, per visible query
+    assert torch.allclose(got.mass2[0], want, rtol=1e-4, atol=1e-7)
+    assert torch.equal(got.mass2[..., :48], plain.mass2[..., :48])
+    assert torch.allclose(got.mass2[..., 63], 16 * plain.mass2[..., 63])
+    assert torch.equal(got.q2, plain.q2) and torch.equal(got.nq, plain.nq)
+    half = per_visible(plain, st, st.start, 16, power=0.5)  # part of the way: (W / seen) ** 0.5
+    assert torch.allclose(half.mass2[..., 63], 4 * plain.mass2[..., 63])
+    with pytest.raises(rdkv.RDKVError, match="visible must be a number in"):
+        rdkv.compress(model, 0.3, visible=2, **SMALL)

@@ -1,5 +1,6 @@
 """The experiment harness (scripts/common.py) on a tiny model: scores, skips and tables."""
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import rdkv
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import common  # noqa: E402
@@ -54,3 +55,26 @@ def test_method_overrides_reach_compress_and_bad_ones_are_refused():
     for bad in ("nope", "rdkv:flor=1", "rdkv:floor", "rdkv:spec=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             common.split_method(bad)
+
+
+def test_one_compressed_layer_can_stand_in_for_any_full_layer():
+    """diag_layers' hybrids: swapping every layer in gives the compressed cache's own logits, none gives the
+    full cache's, and one layer gives something in between; sliding-window and global layers alike."""
+    import diag_layers
+
+    model = tiny_gemma3(3)
+    rdkv.attach(model)
+    ids = torch.randint(0, 96, (1, 90))
+    prefix, tail = ids[:, :70], ids[:, 70:]
+    full = diag_layers.prefill_plain(model, prefix)
+    c = rdkv.compress(model, 0.2, v_group=32, k_group=32, k_block=16)
+    through = diag_layers.feeder(model, tail)
+    ref = through(copy.deepcopy(full))
+    own = through(copy.deepcopy(c))
+    n = len(c.layers)
+    assert {model._rdkv_state.layers[i].sliding_window is None for i in range(n)} == {True, False}
+    assert torch.allclose(through(diag_layers.swap_in(full, c, range(n))), own, atol=1e-5)
+    assert torch.allclose(through(diag_layers.swap_in(full, c, [])), ref, atol=1e-5)
+    assert common.kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
+    one = [common.kl(ref, through(diag_layers.swap_in(full, c, [i]))) for i in range(n)]
+    assert all(0 < x < common.kl(ref, own) for x in one)
