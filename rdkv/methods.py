@@ -36,7 +36,8 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-w256": {"window": 256},
     "rdkv-wsl256": {"window_sliding": 256},  # all 256 queries for sliding-window layers only (Gemma 3's local ones)
     "rdkv-wgl256": {"window": 256, "window_sliding": 64},  # all 256 for global layers only (= rdkv-w256 without local layers)
-    # window weights per window query that can see each token: the prefill's last tokens are not under-weighted
+    # window weights per window query that can see each token, so the prefill's last tokens are not under-weighted:
+    # better at 25% and on Gemma 3's agnostic needle, worse at 5% (docs/experiments.md, "causal visibility")
     "rdkv-visible": {"visible": 1.0},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token

@@ -44,9 +44,10 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     """Window sums rescaled to what a query that can see each token puts on it: multiplied by W / (the number
     of the W window queries that can see the token). A token among the prefill's last W is seen by only the
     window queries after it, so its plain sum under-weights it, though every later query will see it: on
-    Gemma 3 legal text at a 25% budget, one such token drew 28% of the continuation's squared attention in a
-    sliding layer and had been given 2 bits (docs/experiments.md, "Causal visibility"). Tokens older than
-    the window, which every window query sees, are unchanged. ``power`` < 1 corrects part of the way,
+    Gemma 3 legal text at a 25% budget, one such token drew 60% of the continuation's squared attention on
+    the prefix in a sliding layer and had been given 2 bits (docs/experiments.md, 2026-11-30 second session,
+    "Why: causal visibility"). Not the default: at a 5% budget the bytes it gives recent tokens cost more
+    than they save. Tokens older than the window, which every window query sees, are unchanged. ``power`` < 1 corrects part of the way,
     (W / seen)^power: the queries that saw a recent token saw it close by, where attention is denser than
     at the distance later queries will see it from."""
     q, q_pos = window_queries(stats, window)

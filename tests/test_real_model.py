@@ -23,6 +23,10 @@ def run():
     for budget in (1.0, 0.25):
         cache = rdkv.compress(model, budget)
         out[budget] = (cache.nbytes, cache.fp16_bytes, model(tail, past_key_values=cache).logits[0])
+        if budget == 0.25:
+            out["widths"] = torch.stack([layer.v_widths()[0] for layer in cache.layers])  # [layers, H, T]
+    visible = rdkv.compress(model, 0.25, visible=1.0)
+    out["visible"] = (visible.nbytes, visible.fp16_bytes, torch.stack([layer.v_widths()[0] for layer in visible.layers]))
     out["tables"] = rdkv.api.allocation_tables(model)[1]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0]
     return out
@@ -61,3 +65,16 @@ def test_lagrangian_within_one_percent_of_exact_on_a_real_instance(run):
         dl, de = D.gather(1, lo[:, None]).sum(), D.gather(1, ex[:, None]).sum()
         assert R.gather(1, lo[:, None]).sum() <= budget
         assert dl <= de * 1.01 + 1e-12
+
+
+def test_visibility_correction_gives_the_prefill_s_last_tokens_more_bits(run):
+    """``visible=1`` weighs each token per window query that can see it: on the real prefill the last 64
+    tokens (seen by fewer window queries) get more bits than the plain window sums give them, older tokens
+    fewer, in the same bytes. Measured: 3.90 against 3.57 mean V bits over the last 64, 3.37 against 3.43
+    over the rest."""
+    held, fp16, vis = run["visible"]
+    plain = run["widths"].float()
+    vis = vis.float()
+    assert held <= 0.25 * fp16
+    assert vis[..., -64:].mean() > plain[..., -64:].mean() + 0.2
+    assert vis[..., :-64].mean() < plain[..., :-64].mean()
