@@ -45,7 +45,7 @@ class CompressConfig:
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
     prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
-    visible: float = 0.0  # 1: window weights per window query that can see the token; 0: off (rdkv.weights.per_visible)
+    visible: float = 0.0  # weigh tokens per window query that can see them: 1 fully, 0 off (rdkv.weights.per_visible)
     spec: PackSpec = field(default_factory=PackSpec)
 
     def check(self) -> None:

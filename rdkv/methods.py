@@ -32,13 +32,15 @@ RDKV_VARIANTS: dict[str, dict] = {
     # later questions (no floor, no surprisal prior)
     "rdkv-aware": {"pool_weights": 7, "floor": 0.0, "surprisal": 0.0},
     # weights from all 256 recorded queries instead of the last 64: better on Gemma 3 query-agnostic (1k), worse
-    # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (docs/experiments.md, "What the previous round changed")
+    # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (docs/experiments.md, 2026-11-29/30)
     "rdkv-w256": {"window": 256},
     "rdkv-wsl256": {"window_sliding": 256},  # all 256 queries for sliding-window layers only (Gemma 3's local ones)
     "rdkv-wgl256": {"window": 256, "window_sliding": 64},  # all 256 for global layers only (= rdkv-w256 without local layers)
     # window weights per window query that can see each token, so the prefill's last tokens are not under-weighted:
-    # better at 25% and on Gemma 3's agnostic needle, worse at 5% (docs/experiments.md, "causal visibility")
+    # better at 25% and on Gemma 3's agnostic needle, worse at 5% (docs/experiments.md, 2026-11-30 second session)
     "rdkv-visible": {"visible": 1.0},
+    # both: on Gemma 3 at 10% every needle the full cache answers, at every depth, in both protocols (1k, 15 probes)
+    "rdkv-visible-wgl256": {"visible": 1.0, "window": 256, "window_sliding": 64},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},

@@ -2,7 +2,8 @@
 
 Both forms read the sums streamed during prefill (:mod:`rdkv.attention`); neither ever forms a T x T
 tensor. ``"all"`` is the paper's form (every prefill query), ``"window"`` re-attends only the last W
-queries, which does not favour early tokens just because more queries can see them.
+queries, which does not favour early tokens just because more queries can see them (it does under-weight
+the last W tokens, which only some window queries see: :func:`per_visible` corrects for that).
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def window_queries(stats: LayerStats, window: int | None = None) -> tuple[torch.
 def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int | None = None,
                 power: float = 1.0) -> AttentionSums:
     """Window sums rescaled to what a query that can see each token puts on it: multiplied by W / (the number
-    of the W window queries that can see the token). A token among the prefill's last W is seen by only the
-    window queries after it, so its plain sum under-weights it, though every later query will see it: on
+    of the W window queries that can see the token). A token among the prefill's last W is seen only by the
+    window queries from it on, so its plain sum under-weights it, though every later query will see it. On
     Gemma 3 legal text at a 25% budget, one such token drew 60% of the continuation's squared attention on
-    the prefix in a sliding layer and had been given 2 bits (docs/experiments.md, 2026-11-30 second session,
-    "Why: causal visibility"). Not the default: at a 5% budget the bytes it gives recent tokens cost more
-    than they save. Tokens older than the window, which every window query sees, are unchanged. ``power`` < 1 corrects part of the way,
-    (W / seen)^power: the queries that saw a recent token saw it close by, where attention is denser than
-    at the distance later queries will see it from."""
+    the prefix in a sliding layer, and had been given 2 bits (docs/experiments.md, 2026-11-30 second
+    session, "Why: causal visibility"). Tokens older than the window, which every window query sees, are
+    unchanged. ``power`` < 1 corrects part of the way, (W / seen)^power: the queries that saw a recent token
+    saw it close by, where attention is denser than at the distance later queries will see it from.
+    Not the default: at a 5% budget the bytes it gives recent tokens cost more than they save.
+    """
     q, q_pos = window_queries(stats, window)
     k_pos = torch.arange(start, stats.seen, device=q.device)
     seen_by = allowed_keys(q_pos, k_pos, stats.sliding_window).sum(0).clamp_min(1)  # [T]

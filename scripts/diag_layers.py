@@ -25,7 +25,7 @@ from rdkv.attention import allowed_keys
 
 
 def width_shares(layer) -> dict[str, float]:
-    """Share of this layer's V rows and K channels at each width (0 = evicted)."""
+    """Share of this layer's V rows at each width (0 = evicted), and its mean K width."""
     vw, kw = layer.v_widths().float(), layer.k_widths().float()
     return {f"V@{b}": float((vw == b).float().mean()) for b in (0, 2, 4, 8, 16)} | {"K bits": float(kw.mean())}
 
