@@ -104,9 +104,11 @@ def main() -> None:
             for m, b, c in runs:
                 total = kl(ref, through(copy.deepcopy(c)))
                 name, extra = split_method(m)
-                window = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("window") or rdkv.api.DEFAULT_WINDOW
+                cfg = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}  # the window queries the weights used
                 for i, layer in enumerate(tqdm(c.layers, desc=f"{domain} {m} {b}", leave=False)):
                     st, low = state.layers[i], layer.v_widths()[0] <= 2
+                    window = (st.sliding_window is not None and cfg.get("window_sliding")) or cfg.get("window") \
+                        or rdkv.api.DEFAULT_WINDOW
                     row = {"domain": domain, "method": m, "budget": "-" if b is None else b, "layer": i,
                            "sliding": st.sliding_window is not None,
                            "V<=2 bits: window p2 share": low_width_share(st, st.window_q[0, :, -window:], low, n),
