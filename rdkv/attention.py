@@ -7,6 +7,8 @@ and its square, and squared query norms per channel. On a compressed cache
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +59,18 @@ class RDKVState:
     hidden: torch.Tensor | None = None  # [B, seen, d_model] final hidden states of the prefill
     recording: bool = False  # the current forward runs on an ordinary cache
     surprisal: torch.Tensor | None = None  # computed from ids/hidden on first use
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Run forwards that re-prefill or extend the record (calibration, diagnostics), then put the
+        user's record of their last prefill back, whatever happened."""
+        saved = (dict(self.layers), self.ids, self.hidden, self.surprisal)
+        try:
+            yield
+        finally:
+            self.layers.clear()
+            self.layers.update(saved[0])
+            self.ids, self.hidden, self.surprisal = saved[1:]
 
 
 def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:

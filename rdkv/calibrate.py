@@ -106,10 +106,8 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
     Budgets too small for a text are skipped. The user's record of their last prefill is restored."""
     from .api import compress
 
-    state = model._rdkv_state
-    saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
     out = []
-    try:
+    with model._rdkv_state.kept():
         for ids in texts:
             n = int(ids.shape[1] * prefix)
             full = model(ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values
@@ -124,10 +122,6 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
                 got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
             ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
             out += [(key, d, float((ref.exp() * (ref - lp)).sum(-1).mean())) for key, d, lp in got]
-    finally:
-        state.layers.clear()
-        state.layers.update(saved[0])
-        state.ids, state.hidden, state.surprisal = saved[1:]
     return out
 
 

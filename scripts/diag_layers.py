@@ -47,16 +47,9 @@ def swap_in(full: DynamicCache, compressed, layers) -> DynamicCache:
 def feeder(model, tail: torch.Tensor):
     """``through(cache)``: logits of teacher-forcing ``tail``; an ordinary layer extends rdkv's record of the
     prefill, which is put back afterwards so every cache sees the same prefill."""
-    state = model._rdkv_state
-    saved = (dict(state.layers), state.ids, state.hidden, state.surprisal)
-
     def through(cache) -> torch.Tensor:
-        try:
+        with model._rdkv_state.kept():
             return forward(model, cache, tail)
-        finally:
-            state.layers.clear()
-            state.layers.update(saved[0])
-            state.ids, state.hidden, state.surprisal = saved[1:]
 
     return through
 
