@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import rdkv
+from rdkv.attention import allowed_keys
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -157,6 +158,18 @@ def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
 def full_reference(model, prefill_cache, tail: torch.Tensor) -> torch.Tensor:
     """The uncompressed cache's logits (run last: an ordinary cache extends rdkv's statistics)."""
     return forward(model, copy.deepcopy(prefill_cache), tail)
+
+
+def dense_probs(st, q: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention probabilities [Hq, L, T] of queries q [Hq, L, D] (the last L positions the layer record
+    ``st`` holds) over its last ``keys`` keys, and those keys' positions [T]. Diagnostics only: it forms the
+    whole L x T matrix."""
+    k = st.key[0, :, -keys:].float()
+    k_pos, q_pos = torch.arange(st.seen - keys, st.seen), torch.arange(st.seen - q.shape[1], st.seen)
+    s = torch.einsum("hld,htd->hlt", q.float(), k.repeat_interleave(q.shape[0] // k.shape[0], 0)) * st.scaling
+    if st.softcap is not None:
+        s = torch.tanh(s / st.softcap) * st.softcap
+    return s.masked_fill(~allowed_keys(q_pos, k_pos, st.sliding_window), float("-inf")).softmax(-1), k_pos
 
 
 def kl(ref: torch.Tensor, got: torch.Tensor) -> float:

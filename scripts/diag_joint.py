@@ -15,21 +15,16 @@ from __future__ import annotations
 import torch
 
 import rdkv
-from common import domain_text, header, parser, publish, split_method, table
-from rdkv.attention import allowed_keys
+from common import dense_probs, domain_text, header, parser, publish, split_method, table
 
 
 def eviction_errors(st, q: torch.Tensor, keep: torch.Tensor) -> tuple[float, float, float]:
     """(exact error, additive estimate, mean evicted mass) over queries q [Hq, L, D] (the last L
     positions) of dropping the tokens not in ``keep`` [H, T], T = the layer's last T keys."""
     T = keep.shape[-1]
-    k, v = st.key[0, :, -T:].float(), st.value[0, :, -T:].float()
-    G = q.shape[0] // k.shape[0]
-    k_pos, q_pos = torch.arange(st.seen - T, st.seen), torch.arange(st.seen - q.shape[1], st.seen)
-    s = torch.einsum("hld,htd->hlt", q.float(), k.repeat_interleave(G, 0)) * st.scaling
-    if st.softcap is not None:
-        s = torch.tanh(s / st.softcap) * st.softcap
-    p = s.masked_fill(~allowed_keys(q_pos, k_pos, st.sliding_window), float("-inf")).softmax(-1)
+    v = st.value[0, :, -T:].float()
+    G = q.shape[0] // v.shape[0]
+    p, _ = dense_probs(st, q, T)
     vr, gone = v.repeat_interleave(G, 0), ~keep.repeat_interleave(G, 0)[:, None, :]
     o = p @ vr
     kept = p * ~gone

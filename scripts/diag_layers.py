@@ -20,8 +20,7 @@ from tqdm import tqdm
 
 import rdkv
 from transformers import DynamicCache
-from common import compressions, domain_text, forward, header, kl, parser, publish, split_method, table
-from rdkv.attention import allowed_keys
+from common import compressions, dense_probs, domain_text, forward, header, kl, parser, publish, split_method, table
 
 
 def width_shares(layer) -> dict[str, float]:
@@ -57,16 +56,10 @@ def feeder(model, tail: torch.Tensor):
 def low_width_share(st, q: torch.Tensor, low: torch.Tensor, n: int) -> float:
     """Share of the squared attention that queries q [Hq, L, D] (the layer's last L positions recorded in
     ``st``) put on the prefix's last T tokens that lands on the ``low`` ones [H, T]."""
-    k = st.key[0].float()
-    k_pos = torch.arange(st.seen - k.shape[1], st.seen)
-    q_pos = torch.arange(st.seen - q.shape[1], st.seen)
-    G = q.shape[0] // k.shape[0]
-    s = torch.einsum("hld,htd->hlt", q.float(), k.repeat_interleave(G, 0)) * st.scaling
-    if st.softcap is not None:
-        s = torch.tanh(s / st.softcap) * st.softcap
-    p2 = s.masked_fill(~allowed_keys(q_pos, k_pos, st.sliding_window), float("-inf")).softmax(-1).square()
-    p2 = p2[..., (k_pos >= n - low.shape[-1]) & (k_pos < n)]
-    return float((p2 * low.repeat_interleave(G, 0)[:, None, :]).sum() / p2.sum().clamp_min(1e-30))
+    p, k_pos = dense_probs(st, q, st.key.shape[2])
+    p2 = p.square()[..., (k_pos >= n - low.shape[-1]) & (k_pos < n)]
+    low = low.repeat_interleave(q.shape[0] // low.shape[0], 0)[:, None, :]
+    return float((p2 * low).sum() / p2.sum().clamp_min(1e-30))
 
 
 def main() -> None:
