@@ -77,6 +77,11 @@ class CompressConfig:
         if not isinstance(self.passes, int) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
 
+    def layer_window(self, sliding: bool) -> int | None:
+        """How many recorded queries weigh a layer's tokens: ``window_sliding`` on sliding-window layers
+        when set, else ``window``."""
+        return self.window_sliding if sliding and self.window_sliding else self.window
+
 
 def attach(model: torch.nn.Module, window: int = 256, all_queries: bool = False) -> torch.nn.Module:
     """Install rdkv's attention path on ``model`` (in place) and return it.
@@ -233,7 +238,7 @@ def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
 
 
 def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
-    window = cfg.window_sliding if st.sliding_window is not None and cfg.window_sliding else cfg.window
+    window = cfg.layer_window(st.sliding_window is not None)
     sums = layer_sums(st, cfg.weights, start, window)
     if cfg.visible and cfg.weights == "window":
         sums = per_visible(sums, st, start, window, cfg.visible)

@@ -64,6 +64,14 @@ def method_arg(text: str) -> str:
     return text
 
 
+def weight_window(method: str, sliding: bool) -> int:
+    """How many recorded queries a method's weights use on a layer (sliding-window or not), as compress
+    resolves it after a default ``rdkv.attach``."""
+    name, extra = split_method(method)
+    cfg = rdkv.api._config(None, {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra})
+    return cfg.layer_window(sliding) or rdkv.api.DEFAULT_WINDOW
+
+
 def needs_all_queries(methods: list[str]) -> bool:
     """Whether any method reads every prefill query (then ``rdkv.attach(model, all_queries=True)``)."""
     return any({**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("weights") == "all"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 import rdkv
-from common import dense_probs, domain_text, header, parser, publish, split_method, table
+from common import dense_probs, domain_text, header, parser, publish, split_method, table, weight_window
 
 
 def eviction_errors(st, q: torch.Tensor, keep: torch.Tensor) -> tuple[float, float, float]:
@@ -58,7 +58,7 @@ def main() -> None:
                 c = rdkv.compress(model, b, method=name, **extra)
                 for i, layer in enumerate(c.layers):
                     st, keep = state.layers[i], layer.v_widths()[0] > 0
-                    window = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("window") or rdkv.api.DEFAULT_WINDOW
+                    window = weight_window(m, st.sliding_window is not None)
                     win = eviction_errors(st, st.window_q[0, :, -window:], keep)
                     # the continuation's keys: the prefix's held ones (compressed) plus the tail's (kept)
                     lt = later[i]

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 import rdkv
 from transformers import DynamicCache
-from common import compressions, dense_probs, domain_text, forward, header, kl, parser, publish, split_method, table
+from common import (compressions, dense_probs, domain_text, forward, header, kl, parser, publish, table,
+                    weight_window)
 
 
 def width_shares(layer) -> dict[str, float]:
@@ -89,12 +90,9 @@ def main() -> None:
             ref = through(copy.deepcopy(full))
             for m, b, c in runs:
                 total = kl(ref, through(copy.deepcopy(c)))
-                name, extra = split_method(m)
-                cfg = {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}  # the window queries the weights used
                 for i, layer in enumerate(tqdm(c.layers, desc=f"{domain} {m} {b}", leave=False)):
                     st, low = state.layers[i], layer.v_widths()[0] <= 2
-                    window = (st.sliding_window is not None and cfg.get("window_sliding")) or cfg.get("window") \
-                        or rdkv.api.DEFAULT_WINDOW
+                    window = weight_window(m, st.sliding_window is not None)  # the queries the weights came from
                     row = {"domain": domain, "method": m, "budget": "-" if b is None else b, "layer": i,
                            "sliding": st.sliding_window is not None,
                            "V<=2 bits: window p2 share": low_width_share(st, st.window_q[0, :, -window:], low, n),
