@@ -17,7 +17,7 @@ from .errors import RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
 from .trizone import PackSpec, TriZoneCache, pack_choice
-from .weights import FORMS, layer_sums, per_visible, window_queries
+from .weights import FORMS, layer_sums, lifetime, per_visible, window_queries
 from .solvers.allocate import allocate
 
 NAME = "rdkv"
@@ -46,6 +46,8 @@ class CompressConfig:
     recent: int = 32  # last prefill tokens that may not be evicted
     prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
     visible: float = 0.0  # weigh tokens per window query that can see them: 1 fully, 0 off (rdkv.weights.per_visible)
+    horizon: int | None = None  # tokens expected to be decoded: sliding layers weigh a token by how long it stays visible
+    layer_gains: tuple[float, ...] | None = None  # per-layer multipliers of the modelled distortion (scope="global")
     spec: PackSpec = field(default_factory=PackSpec)
 
     def check(self) -> None:
@@ -70,10 +72,16 @@ class CompressConfig:
             raise RDKVError(f"q_floor must be a fraction in [0, 1], got {self.q_floor}")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
-        for name in ("window", "window_sliding"):
+        for name in ("window", "window_sliding", "horizon"):
             w = getattr(self, name)
             if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
                 raise RDKVError(f"{name} must be a positive int or None, got {w!r}")
+        if self.layer_gains is not None:
+            if not all(isinstance(g, (int, float)) and 0 < g < math.inf for g in self.layer_gains):
+                raise RDKVError(f"layer_gains must be positive finite numbers, one per layer, got {self.layer_gains!r}")
+            if self.evict_jointly or self.evict_to == "kept":
+                raise RDKVError("layer_gains scales the priced tables; evict_jointly and evict_to='kept' re-price "
+                                "eviction during allocation: use them without layer_gains")
         if not isinstance(self.passes, int) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
 
@@ -252,6 +260,9 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     if surprise is not None:
         s = surprise[:, None, start:] * present
         prior = prior + cfg.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
+    if cfg.horizon and st.sliding_window is not None:
+        life = lifetime(torch.arange(start, st.seen, device=k.device), st.seen, st.sliding_window, cfg.horizon)
+        sums.mass2, prior = sums.mass2 * life, prior * life
     t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to,
                      cfg.q_floor)
     t.fixed = _fixed(k.shape[1], k.shape[-1], cfg)
@@ -322,6 +333,11 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
             s = surprisal(model)
             surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
         tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
+        if cfg.layer_gains is not None:
+            if len(cfg.layer_gains) != n_layers:
+                raise RDKVError(f"layer_gains has {len(cfg.layer_gains)} entries for a model of {n_layers} layers")
+            for t, g in zip(tables, cfg.layer_gains):
+                t.dv, t.dk = t.dv * g, t.dk * g
     return cfg, held, fp16, tables, ropes
 
 

@@ -41,6 +41,8 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-visible": {"visible": 1.0},
     # both: on Gemma 3 at 10% every needle the full cache answers, at every depth, in both protocols (1k, 15 probes)
     "rdkv-visible-wgl256": {"visible": 1.0, "window": 256, "window_sliding": 64},
+    # and sliding-layer tokens priced by how long a 512-token decode keeps them visible (rdkv.weights.lifetime)
+    "rdkv-hybrid": {"visible": 1.0, "window": 256, "window_sliding": 64, "horizon": 512},
     "rdkv-1pass": {"passes": 1},
     "rdkv-v0": {"scope": "global", "passes": 1},  # the first default: one knapsack, K priced for every token
     "rdkv-noprotect": {"sinks": 0, "recent": 0},

@@ -59,6 +59,15 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     return AttentionSums(sums.mass * scale, sums.mass2 * scale, sums.q2, sums.nq)
 
 
+def lifetime(pos: torch.Tensor, seen: int, sliding_window: int, horizon: int) -> torch.Tensor:
+    """The share of the next ``horizon`` decode queries of a sliding-window layer that can still see each
+    held token at ``pos`` [T] (the cache has seen ``seen`` tokens): query ``seen - 1 + m`` sees positions
+    from ``seen + m - sliding_window`` on, so a token stays visible for ``pos + sliding_window - seen`` steps.
+    Bits on a token about to leave the window buy little over a long decode; this prices that.
+    """
+    return ((pos + sliding_window - seen).clamp(0, horizon) / horizon).float()
+
+
 def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> AttentionSums:
     """Sums of the window queries over the layer's keys: the Triton token-weight kernel when
     ``rdkv.decode.backend`` picks triton (CUDA, or ``RDKV_BACKEND=triton``), else :func:`attend`."""

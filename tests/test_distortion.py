@@ -236,3 +236,63 @@ def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():
     assert torch.allclose(half.mass2[..., 63], 4 * plain.mass2[..., 63])
     with pytest.raises(rdkv.RDKVError, match="visible must be a number in"):
         rdkv.compress(model, 0.3, visible=2, **SMALL)
+
+
+def test_lifetime_is_the_share_of_the_next_decode_queries_that_see_each_token():
+    """Against the sliding-window mask itself: for each held token, the fraction of the next ``horizon``
+    decode positions whose window still contains it. The newest token stays visible throughout (for a
+    horizon shorter than the window), the oldest for one step."""
+    from rdkv.weights import lifetime
+
+    seen, window = 40, 16
+    pos = torch.arange(seen - window + 1, seen)
+    for horizon in (1, 8, 16, 50):
+        future = torch.arange(seen, seen + horizon)
+        want = allowed_keys(future, pos, window).float().mean(0)
+        assert torch.equal(lifetime(pos, seen, window, horizon), want)
+    assert float(lifetime(pos, seen, window, 8)[-1]) == 1.0 and float(lifetime(pos, seen, window, 8)[0]) == 1 / 8
+
+
+def test_horizon_moves_bits_to_the_tokens_a_sliding_layer_keeps_longest():
+    """``horizon`` prices a sliding-window layer's tokens by how long they stay visible: in the same bytes,
+    the newer half of each sliding layer's tokens gets more V bits and the older half fewer; the full-attention
+    layer (every token stays visible) is allocated exactly as without it. A bad value is refused."""
+    from conftest import tiny_gemma3
+
+    model = rdkv.attach(tiny_gemma3(2), window=16)
+    model(torch.randint(0, 96, (1, 60)), use_cache=True)
+    plain = rdkv.compress(model, 0.3, **SMALL)
+    long = rdkv.compress(model, 0.3, horizon=16, **SMALL)
+    assert long.nbytes <= 0.3 * long.fp16_bytes
+    for kind, a, b in zip(model.config.layer_types, plain.layers, long.layers):
+        va, vb = a.v_widths().float(), b.v_widths().float()
+        if kind == "full_attention":
+            assert torch.equal(va, vb)
+        else:
+            half = va.shape[-1] // 2
+            assert vb[..., half:].mean() > va[..., half:].mean() and vb[..., :half].mean() < va[..., :half].mean()
+    with pytest.raises(rdkv.RDKVError, match="horizon must be a positive int"):
+        rdkv.compress(model, 0.3, horizon=0, **SMALL)
+
+
+def test_layer_gains_move_bytes_toward_the_layer_weighed_more():
+    """One knapsack over both layers with each layer's distortion scaled: weighing layer 0 a thousand times
+    more than layer 1 gives it more of the bytes than the reverse does, in the same total; gains of 1
+    change nothing. Wrong length, non-positive gains and joint eviction pricing are refused."""
+    model = tiny_llama(4)
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    kw = dict(scope="global", **SMALL)
+    plain = rdkv.compress(model, 0.25, **kw)
+    ones = rdkv.compress(model, 0.25, layer_gains=(1.0, 1.0), **kw)
+    assert [layer.nbytes for layer in ones.layers] == [layer.nbytes for layer in plain.layers]
+    first = rdkv.compress(model, 0.25, layer_gains=(1e3, 1e-3), **kw)
+    second = rdkv.compress(model, 0.25, layer_gains=(1e-3, 1e3), **kw)
+    assert max(first.nbytes, second.nbytes) <= 0.25 * first.fp16_bytes
+    assert first.layers[0].nbytes > second.layers[0].nbytes and first.layers[1].nbytes < second.layers[1].nbytes
+    for bad, match in (((1.0,), "layer_gains has 1 entries"), ((1.0, 0.0), "positive finite"),
+                       ((1.0, float("nan")), "positive finite")):
+        with pytest.raises(rdkv.RDKVError, match=match):
+            rdkv.compress(model, 0.25, layer_gains=bad, **kw)
+    with pytest.raises(rdkv.RDKVError, match="evict_jointly"):
+        rdkv.compress(model, 0.25, layer_gains=(1.0, 1.0), evict_jointly=True, **kw)

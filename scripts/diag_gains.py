@@ -1,0 +1,91 @@
+"""Does weighing each layer by its measured sensitivity let one knapsack over all layers beat a budget per layer?
+
+    python scripts/diag_gains.py --model gemma3-270m --methods rdkv-hybrid --budgets 0.25
+
+The solver's distortion is attention-output error, in each layer's own units: it does not say how much of
+it reaches the logits. This measures it. On calibration text (common.calibration_texts, first 75% prefilled)
+each method compresses at the budget; for each layer i the rest is teacher-forced through the full cache with
+only layer i compressed (diag_layers' swap), and the layer's gain is its KL over its modelled distortion,
+summed over the texts (normalised to geometric mean 1). Then, on eval_perplexity's windows, it compares the
+method as it is (a budget per layer), one knapsack over all layers (``scope="global"``), and that knapsack
+with each layer's distortion times gain**p (``layer_gains``) for each ``--powers`` p.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from tqdm import tqdm
+
+import rdkv
+from common import (calibration_texts, compressions, domain_text, forward, full_reference, header, kl, parser,
+                    publish, split_method, table)
+from diag_layers import feeder, prefill_plain, swap_in
+from eval_perplexity import nll, windows
+from rdkv.calibrate import cache_options, modelled_distortion
+
+
+def gains(model, texts: list[torch.Tensor], method: str, budget: float, prefix: float = 0.75) -> list[float]:
+    """Per layer: KL with that layer alone compressed over its modelled distortion, summed over the
+    calibration ``texts`` ([1, T] ids each), normalised to geometric mean 1."""
+    name, extra = split_method(method)
+    kls, ds = 0.0, 0.0
+    for ids in texts:
+        n = int(ids.shape[1] * prefix)
+        full = prefill_plain(model, ids[:, :n])
+        cache = rdkv.compress(model, budget, method=name, **extra)
+        _, tables, _ = rdkv.api.allocation_tables(model, name, **extra)
+        v_opt, k_opt = cache_options(cache, tables)
+        through = feeder(model, ids[:, n:])
+        ref = through(copy.deepcopy(full))
+        kls = kls + torch.tensor([kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))])
+        ds = ds + torch.tensor([modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, v_opt, k_opt)])
+    g = (kls / ds).clamp_min(1e-12)
+    return (g / g.log().mean().exp()).tolist()
+
+
+def main() -> None:
+    ap = parser(__doc__, [0.25], [1024])
+    ap.set_defaults(methods=["rdkv"])
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--domains", nargs="+", default=["prose", "code", "legal"])
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--powers", type=float, nargs="+", default=[0.5, 1.0], help="layer_gains = gain ** p")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    rdkv.attach(model)
+    found = {(m, b): gains(model, calibration_texts(tok), m, b) for m in args.methods for b in args.budgets}
+    variants = []  # (label, method string, budget, extra options)
+    for (m, b), g in found.items():
+        variants += [(m, m, b, {}), (f"{m} global", m, b, {"scope": "global"})]
+        variants += [(f"{m} global, gains^{p:g}", m, b, {"scope": "global", "layer_gains": tuple(x**p for x in g)})
+                     for p in args.powers]
+    raw: dict = {}
+    for domain in tqdm(args.domains, desc="domains"):
+        ids = tok(domain_text(domain), return_tensors="pt").input_ids
+        for n in args.contexts:
+            for a in windows(ids.shape[1], n + args.continuation + 1, args.windows):
+                prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
+                targets = ids[0, a + n + 1 : a + n + args.continuation + 1]
+                full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+                runs = [(label, c) for label, m, b, opts in variants
+                        for _, _, c in compressions(model, [m], [b], **opts)]
+                logits = [(label, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for label, c in runs]
+                ref = full_reference(model, full, tail)
+                for label, ratio, lg in logits:
+                    raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
+    rows = [{"domain": d, "context": n, "allocation": label, "bytes/fp16": sum(r[0] for r in rs) / len(rs),
+             "ppl increase %": 100 * (math.exp(sum(r[1] for r in rs) / len(rs)) - 1), "KL": sum(r[2] for r in rs) / len(rs)}
+            for (d, n, label), rs in raw.items()]
+    gain_lines = "\n".join(f"- `{m}` at {b}: " + " ".join(f"{x:.3g}" for x in g) for (m, b), g in found.items())
+    md = (f"# Layer gains and one knapsack over all layers: {args.model} ({args.tag or 'gains'})\n\n{header(args)}\n"
+          f"Gains per layer (KL per unit of modelled distortion on calibration text, geometric mean 1):\n\n{gain_lines}\n\n"
+          f"Prefill N tokens, compress, teacher-force the next {args.continuation}; means over {args.windows} windows "
+          f"per domain.\n\n{table(rows, ['domain', 'context', 'allocation', 'bytes/fp16', 'ppl increase %', 'KL'])}\n")
+    publish(f"gains_{args.model}_{args.tag or 'gains'}", md)
+
+
+if __name__ == "__main__":
+    main()
