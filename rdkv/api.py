@@ -46,6 +46,7 @@ class CompressConfig:
     recent: int = 32  # last prefill tokens that may not be evicted
     prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
     visible: float = 0.0  # weigh tokens per window query that can see them: 1 fully, 0 off (rdkv.weights.per_visible)
+    visible_cap: float | None = None  # largest factor ``visible`` may scale a token by (None: W, no cap)
     horizon: int | None = None  # tokens expected to be decoded: sliding layers weigh a token by how long it stays visible
     layer_gains: tuple[float, ...] | None = None  # per-layer multipliers of the modelled distortion (scope="global")
     spec: PackSpec = field(default_factory=PackSpec)
@@ -66,6 +67,8 @@ class CompressConfig:
             raise RDKVError("pool and pool_weights must be positive odd ints")
         if self.surprisal < 0 or self.floor < 0:
             raise RDKVError("surprisal and floor must be >= 0")
+        if self.visible_cap is not None and not self.visible_cap >= 1:
+            raise RDKVError(f"visible_cap must be a number >= 1 (the largest visibility factor), got {self.visible_cap!r}")
         if not 0 <= self.visible <= 1:
             raise RDKVError(f"visible must be a number in [0, 1] (how far to correct for causal visibility), got {self.visible!r}")
         if not 0 <= self.q_floor <= 1:
@@ -249,7 +252,7 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     window = cfg.layer_window(st.sliding_window is not None)
     sums = layer_sums(st, cfg.weights, start, window)
     if cfg.visible and cfg.weights == "window":
-        sums = per_visible(sums, st, start, window, cfg.visible)
+        sums = per_visible(sums, st, start, window, cfg.visible, cfg.visible_cap)
     if cfg.prerope:
         sums.q2 = pair_mean(sums.q2)
     if cfg.pool_weights > 1:  # SnapKV-style: a token next to an attended one counts as attended

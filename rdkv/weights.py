@@ -41,7 +41,7 @@ def window_queries(stats: LayerStats, window: int | None = None) -> tuple[torch.
 
 
 def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int | None = None,
-                power: float = 1.0) -> AttentionSums:
+                power: float = 1.0, cap: float | None = None) -> AttentionSums:
     """Window sums rescaled to what a query that can see each token puts on it: multiplied by W / (the number
     of the W window queries that can see the token). A token among the prefill's last W is seen only by the
     window queries from it on, so its plain sum under-weights it, though every later query will see it. On
@@ -50,12 +50,15 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     session, "Why: causal visibility"). Tokens older than the window, which every window query sees, are
     unchanged. ``power`` < 1 corrects part of the way, (W / seen)^power: the queries that saw a recent token
     saw it close by, where attention is denser than at the distance later queries will see it from.
-    Not the default: at a 5% budget the bytes it gives recent tokens cost more than they save.
+    ``cap`` bounds the factor W / (seeing queries) before the power: the last few tokens are seen by so few
+    queries, all close by, that their estimate is the least reliable. Not the default: at a 5% budget the
+    bytes it gives recent tokens cost more than they save.
     """
     q, q_pos = window_queries(stats, window)
     k_pos = torch.arange(start, stats.seen, device=q.device)
     seen_by = allowed_keys(q_pos, k_pos, stats.sliding_window).sum(0).clamp_min(1)  # [T]
-    scale = (q.shape[2] / seen_by).to(sums.mass.dtype) ** power
+    scale = (q.shape[2] / seen_by).to(sums.mass.dtype)
+    scale = (scale if cap is None else scale.clamp_max(cap)) ** power
     return AttentionSums(sums.mass * scale, sums.mass2 * scale, sums.q2, sums.nq)
 
 

@@ -234,6 +234,11 @@ def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():
     assert torch.equal(got.q2, plain.q2) and torch.equal(got.nq, plain.nq)
     half = per_visible(plain, st, st.start, 16, power=0.5)  # part of the way: (W / seen) ** 0.5
     assert torch.allclose(half.mass2[..., 63], 4 * plain.mass2[..., 63])
+    capped = per_visible(plain, st, st.start, 16, cap=4.0)  # factors above 4 (tokens seen by < 4 queries) clipped
+    assert torch.allclose(capped.mass2[..., 63], 4 * plain.mass2[..., 63])
+    assert torch.equal(capped.mass2[..., :61], got.mass2[..., :61])
+    with pytest.raises(rdkv.RDKVError, match="visible_cap must be a number >= 1"):
+        rdkv.compress(model, 0.3, visible=1, visible_cap=0.5, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="visible must be a number in"):
         rdkv.compress(model, 0.3, visible=2, **SMALL)
 
