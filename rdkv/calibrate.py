@@ -185,3 +185,55 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
     chosen = PriorFit(best[0], best[1], scores)
     model._rdkv_prior = chosen
     return chosen
+
+
+@torch.no_grad()
+def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], method: str = "rdkv",
+                    budget: float = 0.25, prefix: float = 0.75, power: float = 0.5, **options) -> tuple[float, ...]:
+    """How much of each layer's modelled distortion reaches the output, for one knapsack over all layers:
+    ``compress(..., scope="global", layer_gains=fit_layer_gains(model, texts))``.
+
+    The solver prices every layer in its own attention-output units, which say nothing of how much of the
+    error survives to the logits; a global knapsack on raw units starves the layers that matter (on Gemma 3
+    270M the ratio spans three orders of magnitude). For each calibration text (the first ``prefix`` fraction
+    prefilled) this compresses at ``budget`` with ``method`` (per-layer budgets), then teacher-forces the rest
+    through the full cache with one layer at a time replaced by its compressed layer. A layer's gain is its
+    KL from the full cache over its modelled distortion, summed over texts, raised to ``power`` (1/2 by
+    default: the one-point estimate is noisy, and on Gemma 3 the square root beat the full power in all
+    three perplexity domains) and normalised to geometric mean 1. The user's prefill record is restored.
+    """
+    from transformers import DynamicCache
+
+    from .api import allocation_tables, compress
+
+    texts = _check_texts(model, texts, prefix, "fit_layer_gains")
+    if {"scope", "layer_gains", "config"} & set(options):
+        raise RDKVError("fit_layer_gains measures the per-layer allocation itself: do not pass scope, layer_gains or config")
+    if not power > 0:
+        raise RDKVError(f"power must be > 0, got {power!r}")
+    kls = distortion = 0.0
+    state = model._rdkv_state
+    with state.kept():
+        for ids in texts:
+            n = int(ids.shape[1] * prefix)
+            # plain layers everywhere, so a compressed layer (masked by absolute positions) can stand in for any
+            full = model(ids[:, :n], past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1).past_key_values
+            cache = compress(model, budget, method=method, **options)
+            _, tables, _ = allocation_tables(model, method, **options)
+            v_opt, k_opt = cache_options(cache, tables)
+
+            def through(c) -> torch.Tensor:
+                with state.kept():  # an ordinary layer extends the record; every hybrid sees the same prefill
+                    return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
+
+            ref = through(copy.deepcopy(full))
+            layer_kl = []
+            for i in range(len(cache.layers)):
+                hybrid = copy.deepcopy(full)
+                hybrid.layers[i] = copy.deepcopy(cache.layers[i])
+                layer_kl.append(float((ref.exp() * (ref - through(hybrid))).sum(-1).mean()))
+            kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
+            distortion = distortion + torch.tensor([modelled_distortion([t], [v], [k]) for t, v, k in
+                                                    zip(tables, v_opt, k_opt)], dtype=torch.float64)
+    gains = (kls.clamp_min(0) / distortion.clamp_min(1e-30)).clamp_min(1e-12) ** power
+    return tuple((gains / gains.log().mean().exp()).tolist())

@@ -132,10 +132,28 @@ def settings(method: str, budgets: list[float]) -> list[float | None]:
     return [None] if method in rdkv.methods.FIXED_RATE else budgets
 
 
-def compressions(model, methods: list[str], budgets: list[float], **options):
-    """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped."""
+def fitted_gains(model, tok, methods: list[str]) -> dict[str, tuple[float, ...]]:
+    """``rdkv.fit_layer_gains`` on :func:`calibration_texts` for every method given with ``layer_gains=fit``
+    (with that method's other options, minus ``scope``); :func:`compressions` then uses them."""
+    out = {}
     for m in methods:
         name, extra = split_method(m)
+        if extra.pop("layer_gains", None) == "fit":
+            extra.pop("scope", None)
+            out[m] = rdkv.fit_layer_gains(model, calibration_texts(tok), method=name, **extra)
+            print(f"layer gains for {m}: " + " ".join(f"{g:.3g}" for g in out[m]), flush=True)
+    return out
+
+
+def compressions(model, methods: list[str], budgets: list[float], gains: dict | None = None, **options):
+    """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped. A method
+    given with ``layer_gains=fit`` uses ``gains[method]`` (from :func:`fitted_gains`)."""
+    for m in methods:
+        name, extra = split_method(m)
+        if extra.get("layer_gains") == "fit":
+            if m not in (gains or {}):
+                raise ValueError(f"{m}: layer_gains=fit needs common.fitted_gains(model, tok, methods) first")
+            extra["layer_gains"] = gains[m]
         for b in settings(name, budgets):
             try:
                 yield m, b, rdkv.compress(model, b, method=name, **{**options, **extra})

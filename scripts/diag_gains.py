@@ -3,16 +3,15 @@
     python scripts/diag_gains.py --model gemma3-270m --methods rdkv-hybrid --budgets 0.25
 
 The solver's distortion is attention-output error, in each layer's own units: it does not say how much of
-it reaches the logits. This measures it. On calibration text (common.calibration_texts, first 75% prefilled)
-each method compresses at the budget; for each layer i the rest is teacher-forced through the full cache with
-only layer i compressed (diag_layers' swap), and the layer's gain is its KL over its modelled distortion,
-summed over the texts (normalised to geometric mean 1). Then, on eval_perplexity's windows, it compares the
-method as it is (a budget per layer), one knapsack over all layers (``scope="global"``), and that knapsack
-with each layer's distortion times gain**p (``layer_gains``) for each ``--powers`` p.
+it reaches the logits. ``rdkv.fit_layer_gains`` measures that on calibration text (common.calibration_texts)
+at the budget: each layer's KL with only it compressed, over its modelled distortion. This prints those gains
+(power 1, geometric mean 1) and, on eval_perplexity's windows, compares the method as it is (a budget per
+layer), one knapsack over all layers (``scope="global"``), and that knapsack with each layer's distortion
+times gain**p (``layer_gains``) for each ``--powers`` p. eval_retrieval and eval_perplexity take the same
+knapsack as a method option: ``rdkv-hybrid:scope=global,layer_gains=fit`` (power 1/2).
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -21,28 +20,7 @@ from tqdm import tqdm
 import rdkv
 from common import (calibration_texts, compressions, domain_text, forward, full_reference, header, kl, parser,
                     publish, split_method, table)
-from diag_layers import feeder, prefill_plain, swap_in
 from eval_perplexity import nll, windows
-from rdkv.calibrate import cache_options, modelled_distortion
-
-
-def gains(model, texts: list[torch.Tensor], method: str, budget: float, prefix: float = 0.75) -> list[float]:
-    """Per layer: KL with that layer alone compressed over its modelled distortion, summed over the
-    calibration ``texts`` ([1, T] ids each), normalised to geometric mean 1."""
-    name, extra = split_method(method)
-    kls, ds = 0.0, 0.0
-    for ids in texts:
-        n = int(ids.shape[1] * prefix)
-        full = prefill_plain(model, ids[:, :n])
-        cache = rdkv.compress(model, budget, method=name, **extra)
-        _, tables, _ = rdkv.api.allocation_tables(model, name, **extra)
-        v_opt, k_opt = cache_options(cache, tables)
-        through = feeder(model, ids[:, n:])
-        ref = through(copy.deepcopy(full))
-        kls = kls + torch.tensor([kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))])
-        ds = ds + torch.tensor([modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, v_opt, k_opt)])
-    g = (kls / ds).clamp_min(1e-12)
-    return (g / g.log().mean().exp()).tolist()
 
 
 def main() -> None:
@@ -56,7 +34,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model)
-    found = {(m, b): gains(model, calibration_texts(tok), m, b) for m in args.methods for b in args.budgets}
+    found = {(m, b): rdkv.fit_layer_gains(model, calibration_texts(tok), split_method(m)[0], b, power=1.0,
+                                          **split_method(m)[1]) for m in args.methods for b in args.budgets}
     variants = []  # (label, method string, budget, extra options)
     for (m, b), g in found.items():
         variants += [(m, m, b, {}), (f"{m} global", m, b, {"scope": "global"})]

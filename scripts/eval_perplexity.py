@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, compressions, domain_text, forward, full_reference, header, kl, needs_all_queries,
-                    parser, table, tune_prior, write)
+from common import (add_tune_prior, compressions, domain_text, fitted_gains, forward, full_reference, header, kl,
+                    needs_all_queries, parser, table, tune_prior, write)
 
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -66,6 +66,7 @@ def main() -> None:
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
     tune_prior(model, tok, args)
+    gains = fitted_gains(model, tok, args.methods)
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
     for domain in tqdm(args.domains, desc="domains"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
@@ -79,7 +80,7 @@ def main() -> None:
                 targets = ids[0, a + n + 1 : a + n + args.continuation + 1]
                 full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
                 runs = []
-                for m, b, c in compressions(model, args.methods, args.budgets):
+                for m, b, c in compressions(model, args.methods, args.budgets, gains):
                     # a plain fp16 cache of the same layers after the continuation
                     ratio = c.nbytes / c.fp16_bytes
                     fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, answer_scores, by_depth, compressions, forward, full_reference, header, kl,
+from common import (add_tune_prior, answer_scores, by_depth, compressions, fitted_gains, forward, full_reference, header, kl,
                     needs_all_queries, parser, probe_inputs, table, tune_prior, write)
 
 
@@ -37,13 +37,14 @@ def main() -> None:
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model, all_queries=needs_all_queries(args.methods))
     tune_prior(model, tok, args)
+    gains = fitted_gains(model, tok, args.methods)
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
     jobs = [(n, d, s, p) for n in args.contexts for d in args.depths for s in seeds for p in args.protocols]
     for n, depth, seed, protocol in tqdm(jobs, desc="prefills"):
         prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, seed)
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets)]
+        runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets, gains)]
         ref = full_reference(model, full_cache, tail)
         runs.append(("full", 1.0, 1.0, ref))
         for m, b, ratio, logits in runs:

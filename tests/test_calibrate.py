@@ -113,3 +113,44 @@ def test_tune_prior_picks_the_lowest_mean_log_kl_and_compress_uses_it():
         rdkv.tune_prior(model, cal_ids, floor=1.0)
     with pytest.raises(rdkv.RDKVError, match="candidates"):
         rdkv.tune_prior(model, cal_ids, candidates=((1.0,),))
+
+
+def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
+    """fit_layer_gains on a tiny Gemma 3 (sliding and global layers) against the same ratio computed by hand
+    with diag_layers' swaps: layer i's KL with only it compressed over its modelled distortion, normalised to
+    geometric mean 1; power 1/2 is the square root of power 1. The user's prefill is kept; bad input refused."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    from conftest import tiny_gemma3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import diag_layers
+    from common import kl
+    from rdkv.calibrate import cache_options, modelled_distortion
+
+    model = rdkv.attach(tiny_gemma3(3))
+    ids = torch.randint(0, 96, (1, 96), generator=torch.Generator().manual_seed(1))
+    model(ids[:, :50], use_cache=True)
+    before = rdkv.compress(model, 0.2, **SMALL)
+    g1 = rdkv.fit_layer_gains(model, ids, budget=0.2, power=1.0, **SMALL)
+    half = rdkv.fit_layer_gains(model, ids, budget=0.2, **SMALL)
+    after = rdkv.compress(model, 0.2, **SMALL)
+    assert all(torch.equal(a.v_widths(), b.v_widths()) for a, b in zip(after.layers, before.layers))
+
+    full = diag_layers.prefill_plain(model, ids[:, :72])  # prefix 0.75 of 96 tokens
+    c = rdkv.compress(model, 0.2, **SMALL)
+    _, tables, _ = rdkv.api.allocation_tables(model, **SMALL)
+    d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
+    through = diag_layers.feeder(model, ids[:, 72:])
+    ref = through(copy.deepcopy(full))
+    want = torch.tensor([kl(ref, through(diag_layers.swap_in(full, c, [i]))) / d[i] for i in range(3)])
+    want = want / want.log().mean().exp()
+    assert torch.allclose(torch.tensor(g1), want.float(), rtol=1e-3)
+    assert max(g1) / min(g1) > 1.01  # the layers differ, so the comparison above can fail
+    assert torch.allclose(torch.tensor(half), torch.tensor(g1).sqrt(), rtol=1e-6)
+    with pytest.raises(rdkv.RDKVError, match="do not pass scope"):
+        rdkv.fit_layer_gains(model, ids, scope="global", **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="power must be > 0"):
+        rdkv.fit_layer_gains(model, ids, power=0, **SMALL)
