@@ -198,9 +198,11 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     270M the ratio spans three orders of magnitude). For each calibration text (the first ``prefix`` fraction
     prefilled) this compresses at ``budget`` with ``method`` (per-layer budgets), then teacher-forces the rest
     through the full cache with one layer at a time replaced by its compressed layer. A layer's gain is its
-    KL from the full cache over its modelled distortion, summed over texts, raised to ``power`` (1/2 by
-    default: the one-point estimate is noisy, and on Gemma 3 the square root beat the full power in all
-    three perplexity domains) and normalised to geometric mean 1. The user's prefill record is restored.
+    KL from the full cache over its modelled distortion, summed over texts, raised to ``power`` and normalised
+    to geometric mean 1. The default 1/2 hedges a one-point estimate: on Gemma 3 it gave the lowest
+    perplexity KL of any allocation in all three domains. Gains do not carry across kinds of text, though:
+    fitted on prose and code, every global allocation doubled SmolLM2's KL on legal text
+    (docs/experiments.md, 2026-11-30 third session). The user's prefill record is restored.
     """
     from transformers import DynamicCache
 
