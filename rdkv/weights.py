@@ -50,9 +50,9 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     session, "Why: causal visibility"). Tokens older than the window, which every window query sees, are
     unchanged. ``power`` < 1 corrects part of the way, (W / seen)^power: the queries that saw a recent token
     saw it close by, where attention is denser than at the distance later queries will see it from.
-    ``cap`` bounds the factor W / (seeing queries) before the power: the last few tokens are seen by so few
-    queries, all close by, that their estimate is the least reliable. Not the default: at a 5% budget the
-    bytes it gives recent tokens cost more than they save.
+    ``cap`` bounds the factor W / (seeing queries) before the power, for the last few tokens, whose estimate
+    rests on the fewest queries. Not the default: at a 5% budget the correction costs more than it saves on
+    SmolLM2, with or without a cap of 4 or 8 (docs/experiments.md, 2026-11-30 third session).
     """
     q, q_pos = window_queries(stats, window)
     k_pos = torch.arange(start, stats.seen, device=q.device)
