@@ -1,11 +1,16 @@
 """Gemma 3 270M (sliding-window and global layers), real weights: what only a hybrid model can show."""
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from pydoc_data.topics import topics
 
 import rdkv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from common import kl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +32,6 @@ def run():
     out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(model, 0.25, method="rdkv-visible-wgl256").layers]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0].float()
     return out
-
-
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    p = ref.log_softmax(-1)
-    return float((p.exp() * (p - got.log_softmax(-1))).sum(-1).mean())
 
 
 def test_horizon_prices_sliding_tokens_by_how_long_they_stay_visible(run):
