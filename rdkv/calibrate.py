@@ -99,6 +99,27 @@ def _check_texts(model: torch.nn.Module, texts, prefix: float, what: str) -> lis
     return texts
 
 
+def plain_prefill(model: torch.nn.Module, ids: torch.Tensor):
+    """Prefill ``ids`` into plain layers everywhere (no sliding-window layers that drop old keys), so that a
+    compressed layer, which masks over absolute positions, can stand in for any of them (:func:`swap_in`)."""
+    from transformers import DynamicCache
+
+    return model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1).past_key_values
+
+
+def swap_in(full, compressed: TriZoneCache, layers):
+    """A copy of the plain cache ``full`` with ``layers`` replaced by copies of the compressed cache's."""
+    hybrid = copy.deepcopy(full)
+    for i in layers:
+        hybrid.layers[i] = copy.deepcopy(compressed.layers[i])
+    return hybrid
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean KL(ref || got) over positions, from log-probabilities [L, V]."""
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
 def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
              calls: list[tuple[object, float, dict]]) -> list[tuple[object, float, float]]:
     """For each text: prefill its first ``prefix`` fraction, then for each (key, budget, compress kwargs)
@@ -121,7 +142,7 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
                     continue
                 got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
             ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
-            out += [(key, d, float((ref.exp() * (ref - lp)).sum(-1).mean())) for key, d, lp in got]
+            out += [(key, d, _kl(ref, lp)) for key, d, lp in got]
     return out
 
 
@@ -204,8 +225,6 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     fitted on prose and code, every global allocation doubled SmolLM2's KL on legal text
     (docs/experiments.md, 2026-11-30 third session). The user's prefill record is restored.
     """
-    from transformers import DynamicCache
-
     from .api import allocation_tables, compress
 
     texts = _check_texts(model, texts, prefix, "fit_layer_gains")
@@ -218,8 +237,7 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     with state.kept():
         for ids in texts:
             n = int(ids.shape[1] * prefix)
-            # plain layers everywhere, so a compressed layer (masked by absolute positions) can stand in for any
-            full = model(ids[:, :n], past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1).past_key_values
+            full = plain_prefill(model, ids[:, :n])
             cache = compress(model, budget, method=method, **options)
             _, tables, _ = allocation_tables(model, method, **options)
             v_opt, k_opt = cache_options(cache, tables)
@@ -229,11 +247,7 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
                     return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
 
             ref = through(copy.deepcopy(full))
-            layer_kl = []
-            for i in range(len(cache.layers)):
-                hybrid = copy.deepcopy(full)
-                hybrid.layers[i] = copy.deepcopy(cache.layers[i])
-                layer_kl.append(float((ref.exp() * (ref - through(hybrid))).sum(-1).mean()))
+            layer_kl = [_kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
             kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
             distortion = distortion + torch.tensor([modelled_distortion([t], [v], [k]) for t, v, k in
                                                     zip(tables, v_opt, k_opt)], dtype=torch.float64)

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from transformers import DynamicCache
+from rdkv.calibrate import plain_prefill, swap_in
 from common import (compressions, dense_probs, domain_text, forward, header, kl, parser, publish, table,
                     weight_window)
 
@@ -28,20 +28,6 @@ def width_shares(layer) -> dict[str, float]:
     """Share of this layer's V rows at each width (0 = evicted), and its mean K width."""
     vw, kw = layer.v_widths().float(), layer.k_widths().float()
     return {f"V@{b}": float((vw == b).float().mean()) for b in (0, 2, 4, 8, 16)} | {"K bits": float(kw.mean())}
-
-
-def prefill_plain(model, prefix: torch.Tensor) -> DynamicCache:
-    """Prefill into plain layers everywhere (no sliding-window layers that drop old keys), so that a
-    compressed layer, which masks over absolute positions, can stand in for any of them."""
-    return model(prefix, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1).past_key_values
-
-
-def swap_in(full: DynamicCache, compressed, layers) -> DynamicCache:
-    """A copy of ``full`` with ``layers`` replaced by copies of the compressed cache's."""
-    hybrid = copy.deepcopy(full)
-    for i in layers:
-        hybrid.layers[i] = copy.deepcopy(compressed.layers[i])
-    return hybrid
 
 
 def feeder(model, tail: torch.Tensor):
@@ -80,10 +66,10 @@ def main() -> None:
             a = int(args.start * max(0, ids.shape[1] - n - args.continuation))
             prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
             rdkv.attach(model, window=args.continuation)  # record the continuation's queries, then the prefill's
-            model(tail, past_key_values=prefill_plain(model, prefix), use_cache=True, logits_to_keep=1)
+            model(tail, past_key_values=plain_prefill(model, prefix), use_cache=True, logits_to_keep=1)
             later = dict(model._rdkv_state.layers)
             rdkv.attach(model)
-            full = prefill_plain(model, prefix)
+            full = plain_prefill(model, prefix)
             state = model._rdkv_state
             runs = list(compressions(model, args.methods, args.budgets))  # before anything extends the record
             through = feeder(model, tail)

@@ -117,7 +117,7 @@ def test_tune_prior_picks_the_lowest_mean_log_kl_and_compress_uses_it():
 
 def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     """fit_layer_gains on a tiny Gemma 3 (sliding and global layers) against the same ratio computed by hand
-    with diag_layers' swaps: layer i's KL with only it compressed over its modelled distortion, normalised to
+    with the swaps test_harness checks: layer i's KL with only it compressed over its modelled distortion, normalised to
     geometric mean 1; power 1/2 is the square root of power 1. The user's prefill is kept; bad input refused."""
     import copy
     import sys
@@ -128,7 +128,7 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import diag_layers
     from common import kl
-    from rdkv.calibrate import cache_options, modelled_distortion
+    from rdkv.calibrate import cache_options, modelled_distortion, plain_prefill, swap_in
 
     model = rdkv.attach(tiny_gemma3(3))
     ids = torch.randint(0, 96, (1, 96), generator=torch.Generator().manual_seed(1))
@@ -139,13 +139,13 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     after = rdkv.compress(model, 0.2, **SMALL)
     assert all(torch.equal(a.v_widths(), b.v_widths()) for a, b in zip(after.layers, before.layers))
 
-    full = diag_layers.prefill_plain(model, ids[:, :72])  # prefix 0.75 of 96 tokens
+    full = plain_prefill(model, ids[:, :72])  # prefix 0.75 of 96 tokens
     c = rdkv.compress(model, 0.2, **SMALL)
     _, tables, _ = rdkv.api.allocation_tables(model, **SMALL)
     d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
     through = diag_layers.feeder(model, ids[:, 72:])
     ref = through(copy.deepcopy(full))
-    want = torch.tensor([kl(ref, through(diag_layers.swap_in(full, c, [i]))) / d[i] for i in range(3)])
+    want = torch.tensor([kl(ref, through(swap_in(full, c, [i]))) / d[i] for i in range(3)])
     want = want / want.log().mean().exp()
     assert torch.allclose(torch.tensor(g1), want.float(), rtol=1e-3)
     assert max(g1) / min(g1) > 1.01  # the layers differ, so the comparison above can fail

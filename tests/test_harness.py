@@ -58,23 +58,25 @@ def test_method_overrides_reach_compress_and_bad_ones_are_refused():
 
 
 def test_one_compressed_layer_can_stand_in_for_any_full_layer():
-    """diag_layers' hybrids: swapping every layer in gives the compressed cache's own logits, none gives the
-    full cache's, and one layer gives something in between; sliding-window and global layers alike."""
+    """rdkv.calibrate's hybrids (used by diag_layers and fit_layer_gains): swapping every layer in gives the
+    compressed cache's own logits, none gives the full cache's, and one layer gives something in between;
+    sliding-window and global layers alike."""
     import diag_layers
+    from rdkv.calibrate import plain_prefill, swap_in
 
     model = tiny_gemma3(3)
     rdkv.attach(model)
     ids = torch.randint(0, 96, (1, 90))
     prefix, tail = ids[:, :70], ids[:, 70:]
-    full = diag_layers.prefill_plain(model, prefix)
+    full = plain_prefill(model, prefix)
     c = rdkv.compress(model, 0.2, v_group=32, k_group=32, k_block=16)
     through = diag_layers.feeder(model, tail)
     ref = through(copy.deepcopy(full))
     own = through(copy.deepcopy(c))
     n = len(c.layers)
     assert {model._rdkv_state.layers[i].sliding_window is None for i in range(n)} == {True, False}
-    assert torch.allclose(through(diag_layers.swap_in(full, c, range(n))), own, atol=1e-5)
-    assert torch.allclose(through(diag_layers.swap_in(full, c, [])), ref, atol=1e-5)
+    assert torch.allclose(through(swap_in(full, c, range(n))), own, atol=1e-5)
+    assert torch.allclose(through(swap_in(full, c, [])), ref, atol=1e-5)
     assert common.kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
-    one = [common.kl(ref, through(diag_layers.swap_in(full, c, [i]))) for i in range(n)]
+    one = [common.kl(ref, through(swap_in(full, c, [i]))) for i in range(n)]
     assert all(0 < x < common.kl(ref, own) for x in one)
