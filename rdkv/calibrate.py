@@ -32,7 +32,8 @@ class Calibration:
     a: float
     p: float
     points: tuple[tuple[float, float], ...]  # (D, KL) the fit used
-    method: str = "rdkv"  # the compress method it was fitted for (other options should match too)
+    method: str = "rdkv"  # the compress method it was fitted for
+    key: tuple = ()  # rdkv.api.options_key of the calls it was fitted on; compress(error=) must match it
 
     def predict(self, distortion: float) -> float:
         return self.a * distortion**self.p if distortion > 0 else 0.0
@@ -70,9 +71,12 @@ def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list
     return v_opt, k_opt
 
 
-def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
+def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | None = None) -> Calibration:
     """Line through (log D, log KL): least-squares slope, intercept raised until every point is on or below
-    it. Needs two points with distinct D and KL > 0."""
+    it. Needs two points with distinct D and KL > 0. ``key``: the compress options the points came from
+    (default: ``method`` with no options)."""
+    from .api import options_key
+
     pts = [(d, k) for d, k in points if d > 0 and k > 0]
     if len({d for d, _ in pts}) < 2:
         raise RDKVError("calibration needs at least two budgets with different, non-zero distortion and KL; "
@@ -83,7 +87,8 @@ def fit(points: list[tuple[float, float]], method: str = "rdkv") -> Calibration:
     if not p > 0:
         raise RDKVError(f"calibration found KL falling as modelled distortion grows (slope {p:.3g}): the "
                         "distortion model does not track this model's output; use budget= instead of error=")
-    return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method)
+    key = key if key is not None else options_key(method, None, {})
+    return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method, key)
 
 
 def _check_texts(model: torch.nn.Module, texts, prefix: float, what: str) -> list[torch.Tensor]:
@@ -148,16 +153,20 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
 
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
-              budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "rdkv", **options) -> Calibration:
+              budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "auto", **options) -> Calibration:
     """Fit the distortion-to-KL map on calibration token ids (one [1, T] tensor or a list of them; the first
     ``prefix`` fraction of each is compressed, the rest teacher-forced) and store it on ``model`` for
     ``compress(error=...)``. Texts unlike the ones you will compress make the bound more robust.
 
     The attached model's record of the user's last prefill is kept: it is restored afterwards.
     """
+    from .api import options_key, resolve_method
+
     texts = _check_texts(model, texts, prefix, "calibrate")
-    pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, **options)) for b in budgets])
-    cal = fit([(d, kl) for _, d, kl in pairs], method)
+    method, options = resolve_method(model, method, options)
+    config = options.pop("config", None)
+    pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, config=config, **options)) for b in budgets])
+    cal = fit([(d, kl) for _, d, kl in pairs], method, options_key(method, config, options))
     model._rdkv_calibration = cal
     return cal
 
@@ -209,7 +218,7 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
 
 
 @torch.no_grad()
-def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], method: str = "rdkv",
+def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], method: str = "auto",
                     budget: float = 0.25, prefix: float = 0.75, power: float = 0.5, **options) -> tuple[float, ...]:
     """How much of each layer's modelled distortion reaches the output, for one knapsack over all layers:
     ``compress(..., scope="global", layer_gains=fit_layer_gains(model, texts))``.

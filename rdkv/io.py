@@ -100,7 +100,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     policy = cache.layers[0].fold if cache.layers else None
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
-                                 "distortion": cache.distortion,
+                                 "distortion": cache.distortion, "method": cache.method,
                                  "fold": None if policy is None else asdict(policy)}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
@@ -179,7 +179,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
             ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"].to(device) for n in f["tensors"]}
             layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
         out.append(layer)
-    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], distortion=top.get("distortion"))
+    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], distortion=top.get("distortion"),
+                         method=top.get("method"))
     if top.get("fold"):
         cache.set_fold(FoldPolicy(**top["fold"]))
     return cache

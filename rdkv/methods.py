@@ -148,4 +148,6 @@ BASELINES: dict[str, Callable] = {
 # group sizes the quantization baselines are defined with (KIVI: 32 tokens / 32 channels)
 BASELINE_SPECS: dict[str, dict] = {"kivi2": {"v_group": 32, "k_group": 32}, "kivi4": {"v_group": 32, "k_group": 32}}
 FIXED_RATE = {"int8", "int4", "kivi4", "kivi2"}
-METHODS = tuple(RDKV_VARIANTS) + tuple(BASELINES)
+# compress's default: the RDKV preset for the model's attention layout (rdkv.api.resolve_method)
+AUTO = "auto"
+METHODS = (AUTO,) + tuple(RDKV_VARIANTS) + tuple(BASELINES)

@@ -42,6 +42,7 @@ class Report:
     nbytes: int
     fp16_bytes: int
     tokens: int  # prefix tokens (logical positions) per sequence
+    method: str | None = None  # what compress ran
 
     @classmethod
     def of(cls, cache) -> "Report":
@@ -57,7 +58,7 @@ class Report:
                     row |= {f"k{w}": int((kw[b, h] == w).sum()) for w in quant.WIDTHS}
                     rows.append(row)
         batch = cache.layers[0].batch
-        return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch)
+        return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch, cache.method)
 
     def totals(self) -> dict[str, int]:
         keys = [k for k in self.rows[0] if k[0] in "vk"]
@@ -68,7 +69,7 @@ class Report:
         v_all = sum(tot[f"v{w}"] for w in quant.WIDTHS)
         k_all = sum(tot[f"k{w}"] for w in quant.WIDTHS)
         lines = [
-            f"TriZoneCache: {self.nbytes:,} B = {self.nbytes / self.fp16_bytes:.4f} of fp16 ({self.fp16_bytes:,} B), "
+            f"TriZoneCache{f' ({self.method})' if self.method else ''}: {self.nbytes:,} B = {self.nbytes / self.fp16_bytes:.4f} of fp16 ({self.fp16_bytes:,} B), "
             f"{self.nbytes / self.tokens:.1f} B per prefix token",
             "V tokens by width:  " + "  ".join(f"{w:>2}b {tot[f'v{w}'] / v_all:6.1%}" for w in quant.WIDTHS)
             + "   (0b = evicted)",

@@ -15,12 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm import tqdm
-
 import rdkv
-from common import (calibration_texts, compressions, domain_text, forward, full_reference, header, kl, parser,
-                    publish, split_method, table)
-from eval_perplexity import nll, windows
+from common import (calibration_texts, compressions, forward, full_reference, header, kl, parser, publish, split_method,
+                    table)
+from eval_perplexity import nll, prefills
 
 
 def main() -> None:
@@ -42,19 +40,13 @@ def main() -> None:
         variants += [(f"{m} global, gains^{p:g}", m, b, {"scope": "global", "layer_gains": tuple(x**p for x in g)})
                      for p in args.powers]
     raw: dict = {}
-    for domain in tqdm(args.domains, desc="domains"):
-        ids = tok(domain_text(domain), return_tensors="pt").input_ids
-        for n in args.contexts:
-            for a in windows(ids.shape[1], n + args.continuation + 1, args.windows):
-                prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
-                targets = ids[0, a + n + 1 : a + n + args.continuation + 1]
-                full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-                runs = [(label, c) for label, m, b, opts in variants
-                        for _, _, c in compressions(model, [m], [b], **opts)]
-                logits = [(label, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for label, c in runs]
-                ref = full_reference(model, full, tail)
-                for label, ratio, lg in logits:
-                    raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
+    for domain, n, full, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
+                                                   args.windows):
+        runs = [(label, c) for label, m, b, opts in variants for _, _, c in compressions(model, [m], [b], **opts)]
+        logits = [(label, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for label, c in runs]
+        ref = full_reference(model, full, tail)
+        for label, ratio, lg in logits:
+            raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
     rows = [{"domain": d, "context": n, "allocation": label, "bytes/fp16": sum(r[0] for r in rs) / len(rs),
              "ppl increase %": 100 * (math.exp(sum(r[1] for r in rs) / len(rs)) - 1), "KL": sum(r[2] for r in rs) / len(rs)}
             for (d, n, label), rs in raw.items()]

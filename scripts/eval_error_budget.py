@@ -2,6 +2,9 @@
 
     python scripts/eval_error_budget.py --quick
     python scripts/eval_error_budget.py --contexts 512 1024 --budgets 0.05 0.1 0.25 0.5 --eps 0.01 0.03 0.1 0.3
+    python scripts/eval_error_budget.py --model gemma3-270m --methods rdkv-hybrid
+
+One RDKV method per run (``--methods NAME[:options]``, default ``rdkv``): the calibration is per method.
 
 1. Calibrate once (``rdkv.calibrate``) on prose and code the evaluation does not use.
 2. For each domain (prose, code, legal) and context N: prefill once, compress at every budget, record the
@@ -21,7 +24,8 @@ from tqdm import tqdm
 import torch
 
 import rdkv
-from common import calibration_texts, domain_text, forward, full_reference, header, kl, parser, table, write
+from common import (calibration_texts, domain_text, forward, full_reference, header, kl, parser, split_method, table,
+                    write)
 from rdkv.attention import allowed_keys
 from rdkv.calibrate import cache_options, modelled_distortion
 from rdkv.reference import partial_attention
@@ -60,7 +64,11 @@ def main() -> None:
     ap.add_argument("--domains", nargs="+", default=["prose", "code", "legal"])
     ap.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.03, 0.1, 0.3])
     ap.add_argument("--calibration-offset", type=int, default=30000, help="prose token where calibration text starts")
+    ap.set_defaults(methods=["rdkv"])
     args = ap.parse_args()
+    method, extra = split_method(args.methods[0])
+    if len(args.methods) != 1 or method not in rdkv.methods.RDKV_VARIANTS:
+        ap.error(f"give one RDKV method (the calibration is per method), got {args.methods}")
     if args.quick:
         args.contexts, args.domains, args.budgets, args.eps = [512], ["prose", "code"], [0.05, 0.1, 0.25], [0.03, 0.1]
     tag = args.tag or ("quick" if args.quick else "full")
@@ -68,20 +76,20 @@ def main() -> None:
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model)
     a = args.calibration_offset
-    cal = rdkv.calibrate(model, calibration_texts(tok, a))
+    cal = rdkv.calibrate(model, calibration_texts(tok, a), method=method, **extra)
     rows, points, layer_points = [], [], []
     jobs = [(d, n) for d in args.domains for n in args.contexts]
     for domain, n in tqdm(jobs, desc="prefills"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        tables = rdkv.api.allocation_tables(model)[1]  # the same for every budget of this prefill
-        caches = [("budget", b, rdkv.compress(model, b)) for b in args.budgets]
+        tables = rdkv.api.allocation_tables(model, method, **extra)[1]  # the same for every budget of this prefill
+        caches = [("budget", b, rdkv.compress(model, b, method=method, **extra)) for b in args.budgets]
         per_layer = [layer_distortion(tables, c) for _, _, c in caches]
         assert all(abs(sum(d) - c.distortion) <= 1e-6 * c.distortion for d, (_, _, c) in zip(per_layer, caches))
         for eps in args.eps:
             try:
-                caches.append(("error", eps, rdkv.compress(model, error=eps)))
+                caches.append(("error", eps, rdkv.compress(model, error=eps, method=method, **extra)))
             except rdkv.RDKVError as e:
                 print(f"  skip error={eps} on {domain}@{n}: {e}")
         ratios = [c.nbytes / c.fp16_bytes for _, _, c in caches]  # before the tail grows zone C
@@ -93,7 +101,7 @@ def main() -> None:
             got = kl(ref, lg)
             row = {"domain": domain, "context": n, "asked": f"{how}={x:g}", "bytes/fp16": ratio,
                    "D (modelled)": c.distortion, "KL predicted": cal.predict(c.distortion), "KL measured": got,
-                   "method": "rdkv " + how, "KL": got}
+                   "method": f"{args.methods[0]} {how}", "KL": got}
             rows.append(row)
             if how == "budget":
                 points.append((n, domain, c.distortion, got))
@@ -101,7 +109,7 @@ def main() -> None:
     per_ctx = {n: spearmanr([p[2] for p in points if p[0] == n], [p[3] for p in points if p[0] == n]).statistic
                for n in args.contexts}
     rho_layers = [spearmanr(d, e).statistic for d, e in layer_points]
-    err = [r for r in rows if r["method"] == "rdkv error"]
+    err = [r for r in rows if r["asked"].startswith("error")]
     within = sum(r["KL measured"] <= float(r["asked"].split("=")[1]) for r in err)
     within2 = sum(r["KL measured"] <= 2 * float(r["asked"].split("=")[1]) for r in err)
     cols = ["domain", "context", "asked", "bytes/fp16", "D (modelled)", "KL predicted", "KL measured"]

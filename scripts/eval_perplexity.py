@@ -48,6 +48,21 @@ def windows(length: int, span: int, count: int) -> list[int]:
     return sorted({round(i * last / (count - 1)) for i in range(count)}) if count > 1 else [0]
 
 
+def prefills(model, tok, domains: list[str], contexts: list[int], continuation: int, count: int):
+    """Prefill every window: yields (domain, N, full cache, the next ``continuation`` token ids, their targets)
+    with the window's N-token prefix as the model's last prefill, ready to compress. Compress before
+    ``full_reference``, which feeds the tail through the full cache."""
+    for domain in tqdm(domains, desc="domains"):
+        ids = tok(domain_text(domain), return_tensors="pt").input_ids
+        for n in contexts:
+            starts = windows(ids.shape[1], n + continuation + 1, count)
+            if not starts:
+                print(f"  skip {domain} @ {n}: only {ids.shape[1]} tokens")
+            for a in starts:
+                full_cache = model(ids[:, a : a + n], use_cache=True, logits_to_keep=1).past_key_values
+                yield domain, n, full_cache, ids[:, a + n : a + n + continuation], ids[0, a + n + 1 : a + n + continuation + 1]
+
+
 def main() -> None:
     ap = parser(__doc__, [0.05, 0.1, 0.25, 0.5], [1024])
     ap.add_argument("--continuation", type=int, default=256)
@@ -68,32 +83,23 @@ def main() -> None:
     tune_prior(model, tok, args)
     gains = fitted_gains(model, tok, args.methods)
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
-    for domain in tqdm(args.domains, desc="domains"):
-        ids = tok(domain_text(domain), return_tensors="pt").input_ids
-        for n in args.contexts:
-            starts = windows(ids.shape[1], n + args.continuation + 1, args.windows)
-            if not starts:
-                print(f"  skip {domain} @ {n}: only {ids.shape[1]} tokens")
-                continue
-            for a in starts:
-                prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
-                targets = ids[0, a + n + 1 : a + n + args.continuation + 1]
-                full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-                runs = []
-                for m, b, c in compressions(model, args.methods, args.budgets, gains):
-                    # a plain fp16 cache of the same layers after the continuation
-                    ratio = c.nbytes / c.fp16_bytes
-                    fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)
-                    for i, fold in enumerate(args.fold):
-                        cache = c if i == len(args.fold) - 1 else copy.deepcopy(c)
-                        logits = continue_through(model, cache, tail, fold, args.step)
-                        runs.append((m, b, fold, ratio, cache.nbytes / fp16_end, logits))
-                ref = full_reference(model, full_cache, tail)
-                base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
-                raw[domain, n, "full", 1.0, 0].append(dict(ratio=1.0, end=1.0, nll=base, base=base, kl=0.0))
-                for m, b, fold, ratio, end_ratio, logits in runs:
-                    raw[domain, n, m, b, fold].append(dict(ratio=ratio, end=end_ratio, nll=nll(logits, targets),
-                                                           base=base, kl=kl(ref, logits)))
+    for domain, n, full_cache, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
+                                                         args.windows):
+        runs = []
+        for m, b, c in compressions(model, args.methods, args.budgets, gains):
+            # a plain fp16 cache of the same layers after the continuation
+            ratio = c.nbytes / c.fp16_bytes
+            fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)
+            for i, fold in enumerate(args.fold):
+                cache = c if i == len(args.fold) - 1 else copy.deepcopy(c)
+                logits = continue_through(model, cache, tail, fold, args.step)
+                runs.append((m, b, fold, ratio, cache.nbytes / fp16_end, logits))
+        ref = full_reference(model, full_cache, tail)
+        base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
+        raw[domain, n, "full", 1.0, 0].append(dict(ratio=1.0, end=1.0, nll=base, base=base, kl=0.0))
+        for m, b, fold, ratio, end_ratio, logits in runs:
+            raw[domain, n, m, b, fold].append(dict(ratio=ratio, end=end_ratio, nll=nll(logits, targets),
+                                                   base=base, kl=kl(ref, logits)))
     rows = []
     for (domain, n, m, b, fold), rs in raw.items():
         mean = lambda key: sum(r[key] for r in rs) / len(rs)  # noqa: E731

@@ -62,6 +62,18 @@ def test_error_budget_bad_input(calibrated, kwargs, match):
         rdkv.compress(model, **kwargs, **SMALL)
 
 
+def test_error_budget_needs_the_calibrated_options(calibrated):
+    """The fixture calibrated ``auto`` (rdkv on Llama) with SMALL's groups: naming rdkv is the same pricing;
+    other groups are not, and are refused rather than held to a map fitted for different bytes."""
+    model, cal, _ = calibrated
+    assert cal.method == "rdkv"
+    eps = cal.predict(sorted(d for d, _ in cal.points)[len(cal.points) // 2])
+    a, b = rdkv.compress(model, error=eps, **SMALL), rdkv.compress(model, error=eps, method="rdkv", **SMALL)
+    assert a.method == b.method == "rdkv" and a.nbytes == b.nbytes
+    with pytest.raises(rdkv.RDKVError, match="other options"):
+        rdkv.compress(model, error=eps, **{**SMALL, "k_group": 64})
+
+
 def test_error_budget_needs_a_calibration():
     model = tiny_llama(1)
     rdkv.attach(model)

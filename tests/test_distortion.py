@@ -174,8 +174,8 @@ def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
 
     model = rdkv.attach(tiny_gemma3(), window=16)
     model(torch.randint(0, 96, (1, 60)), use_cache=True)
-    _, base, _ = allocation_tables(model, window=4, **SMALL)
-    _, mixed, _ = allocation_tables(model, window=4, window_sliding=16, **SMALL)
+    _, base, _ = allocation_tables(model, "rdkv", window=4, **SMALL)
+    _, mixed, _ = allocation_tables(model, "rdkv", window=4, window_sliding=16, **SMALL)
     kinds = model.config.layer_types
     for kind, a, b in zip(kinds, base, mixed):
         if kind == "full_attention":
@@ -266,8 +266,8 @@ def test_horizon_moves_bits_to_the_tokens_a_sliding_layer_keeps_longest():
 
     model = rdkv.attach(tiny_gemma3(2), window=16)
     model(torch.randint(0, 96, (1, 60)), use_cache=True)
-    plain = rdkv.compress(model, 0.3, **SMALL)
-    long = rdkv.compress(model, 0.3, horizon=16, **SMALL)
+    plain = rdkv.compress(model, 0.3, method="rdkv", **SMALL)  # (auto would pick rdkv-hybrid, horizon 512)
+    long = rdkv.compress(model, 0.3, method="rdkv", horizon=16, **SMALL)
     assert long.nbytes <= 0.3 * long.fp16_bytes
     for kind, a, b in zip(model.config.layer_types, plain.layers, long.layers):
         va, vb = a.v_widths().float(), b.v_widths().float()

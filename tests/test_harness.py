@@ -80,3 +80,25 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     assert common.kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
     one = [common.kl(ref, through(swap_in(full, c, [i]))) for i in range(n)]
     assert all(0 < x < common.kl(ref, own) for x in one)
+
+
+def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
+    """eval_perplexity.prefills: every window's N-token prefix is the model's last prefill when it is yielded,
+    the tail follows it and each target is the token after its tail position."""
+    import eval_perplexity
+
+    class Chars:  # a tokenizer of one id per character: the script only calls tok(text, return_tensors=...)
+        def __call__(self, text: str, return_tensors: str):
+            return argparse.Namespace(input_ids=torch.tensor([[ord(c) % 96 for c in text]]))
+
+    model = tiny_llama(4)
+    rdkv.attach(model)
+    ids = Chars()(common.domain_text("legal"), "pt").input_ids
+    starts = eval_perplexity.windows(ids.shape[1], 40 + 8 + 1, 3)
+    seen = 0
+    for (domain, n, full, tail, targets), a in zip(eval_perplexity.prefills(model, Chars(), ["legal"], [40], 8, 3), starts):
+        assert (domain, n, full.get_seq_length()) == ("legal", 40, 40)
+        assert torch.equal(tail, ids[:, a + 40 : a + 48]) and torch.equal(targets, ids[0, a + 41 : a + 49])
+        assert torch.equal(model._rdkv_state.ids, ids[:, a : a + 40])  # compress would see this window's prefix
+        seen += 1
+    assert seen == 3 and len(set(starts)) == 3

@@ -151,6 +151,31 @@ def test_every_method_packs_within_its_bytes_and_decodes(method):
     assert torch.isfinite(model(nxt, past_key_values=cache).logits).all()
 
 
+def test_auto_picks_the_preset_for_the_attention_layout():
+    """``auto`` (compress's default) is rdkv on an all-global model and rdkv-hybrid where sliding-window and
+    global layers mix, with the preset's query windows capped at what attach recorded."""
+    ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0))
+    llama = tiny_llama(3)
+    rdkv.attach(llama)
+    llama(ids, use_cache=True)
+    auto, plain = rdkv.compress(llama, 0.2, **SMALL), rdkv.compress(llama, 0.2, method="rdkv", **SMALL)
+    assert auto.method == "rdkv" and _same_widths(auto, plain)
+    gemma = tiny_gemma3(3)
+    rdkv.attach(gemma, window=32)
+    gemma(ids, use_cache=True)
+    auto = rdkv.compress(gemma, 0.2, **SMALL)
+    hybrid = rdkv.compress(gemma, 0.2, method="rdkv-hybrid", window=32, window_sliding=32, **SMALL)
+    assert auto.method == "rdkv-hybrid" and "(rdkv-hybrid)" in str(auto.report()) and _same_widths(auto, hybrid)
+    assert not _same_widths(auto, rdkv.compress(gemma, 0.2, method="rdkv", **SMALL))
+    with pytest.raises(rdkv.RDKVError, match="recorded only the last 32"):  # the named preset is not capped
+        rdkv.compress(gemma, 0.2, method="rdkv-hybrid", **SMALL)
+
+
+def _same_widths(a, b) -> bool:
+    return all(torch.equal(x.v_widths(), y.v_widths()) and torch.equal(x.k_widths(), y.k_widths())
+               for x, y in zip(a.layers, b.layers))
+
+
 def test_fixed_rate_method_over_budget_raises(llama):
     rdkv.attach(llama)
     llama(torch.randint(0, 96, (1, 60)), use_cache=True)
