@@ -159,9 +159,9 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
               vc_ptr, vs_ptr, vz_ptr, sqd, window, softcap,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, V_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-              PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr):
+              K_GROUP, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, BLOCK_N: tl.constexpr,
+              DOT: tl.constexpr, PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr):
     """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens (with ``FOLD_K``,
     tiles start at multiples of ``BLOCK_N`` so none straddles a K token group; the launcher checks that
     ``BLOCK_N`` divides the group)."""
@@ -196,7 +196,13 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         else:
             # load the packed bytes once and unpack in registers: [BN, RB] -> [BN, RB, PER] -> [BN, D]
             # (lowest code in the lowest bits, so channel = byte * PER + k); scale/zero [BN, NG]
-            # broadcast over their V_GROUP channels the same way
+            # broadcast over their V_GROUP channels the same way (the group size of this width class)
+            if VW == 2:
+                V_GROUP: tl.constexpr = VG2
+            elif VW == 4:
+                V_GROUP: tl.constexpr = VG4
+            else:
+                V_GROUP: tl.constexpr = VG8
             PER: tl.constexpr = 8 // VW
             RB: tl.constexpr = D * VW // 8
             NG: tl.constexpr = D // V_GROUP
@@ -229,7 +235,8 @@ def _trizone_attn(
     mask_ptr, smb, sml, smk,
     n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
     H, G, L, K_GROUP, SPLIT,
-    D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, V_GROUP: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
+    VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_K: tl.constexpr,
 ):
@@ -281,7 +288,7 @@ def _trizone_attn(
                                       row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base, pos_ptr, mask_ptr, smb, sml,
                                       smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z,
                                       k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD, NB,
-                                      K_GROUP, V_GROUP, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
+                                      K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
                                       scale2, FOLD_K)
     else:
         cid = pid - n_ab
@@ -529,7 +536,7 @@ def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
     if D > 256 or D < 16 or D & (D - 1):
         raise RDKVError(f"Triton decode supports head_dim a power of two in 16..256, got {D}")
     vg = layer.spec.v_group
-    if vg & (vg - 1):
+    if any(g & (g - 1) for g in ([vg] if isinstance(vg, int) else vg)):
         raise RDKVError(f"Triton decode needs v_group a power of two (register unpacking), the layer has v_group={vg}")
     if L < 1:
         raise RDKVError("Triton decode needs at least one query position")
@@ -608,7 +615,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
             H, G, L, spec.k_group, tab.split,
-            D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block, V_GROUP=spec.v_group, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
+            D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block,
+            VG2=spec.v_group_of(2), VG4=spec.v_group_of(4), VG8=spec.v_group_of(8), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
             FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0,

@@ -98,8 +98,8 @@ def fixed_bytes(heads: int, head_dim: int, spec: PackSpec) -> int:
 def _v_errors(v: torch.Tensor, ref: torch.Tensor, spec: PackSpec) -> torch.Tensor:
     """||v_t - Q_b(v_t)||^2 per width [B, H, T, 5]; width 0 (eviction) is the distance to ``ref`` [B, H, 1, D]."""
     errs = [(v - ref).square().sum(-1)]
-    g = v.unflatten(-1, (-1, spec.v_group))
     for b in quant.PACKED:
+        g = v.unflatten(-1, (-1, spec.v_group_of(b)))
         errs.append((g - quant.fake_quantize(g, b)).square().sum((-1, -2)))
     errs.append((v - v.half().float()).square().sum(-1))
     return torch.stack(errs, -1)
@@ -170,7 +170,8 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         dkc = (channel_weights(sums, kk) * kk.std(-2, correction=0)).unsqueeze(-1) * halving
     perm = dkc[..., 1].argsort(-1, descending=True)  # group channels of similar 2-bit sensitivity
     dk = dkc.gather(2, perm.unsqueeze(-1).expand_as(dkc)).unflatten(2, (-1, spec.k_block)).sum(3)
-    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group) + (pos_bytes(end) if b else 0) for b in quant.WIDTHS],
+    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group_of(b) if b in quant.PACKED else D) + (pos_bytes(end) if b else 0)
+                       for b in quant.WIDTHS],
                       dtype=torch.float64)
     t = LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec), sums.nq)
     if model == "output" and evict_to == "kept":  # where a head's mass goes once the others are evicted

@@ -5,7 +5,7 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
 * Tokens a stream keeps are ordered by V width class (2, 4, 8, 16), then by position. ``v_counts``
   [S, 4] holds the class sizes; every other index is derived from it.
 * V rows of class w in {2, 4, 8} (zone A) are packed codes ``v{w}.codes`` [rows, D*w/8] with one fp16
-  scale and zero per ``v_group`` channels; class 16 rows are ``v16`` (zone B), in the 16-bit dtype.
+  scale and zero per ``v_group`` channels (``spec.v_group_of(w)``: the size may differ per width); class 16 rows are ``v16`` (zone B), in the 16-bit dtype.
 * K is stored per channel block of ``k_block`` channels. ``k_perm`` [S, D] permutes the channels so
   blocks are contiguous and ordered by width; ``k_bits`` [S, D/k_block] gives each block's width.
   The rows of all (block, stream) pairs of width w, block-major, are ``k{w}.codes`` [rows, k_block*w/8],
@@ -39,15 +39,31 @@ V_CLASSES = (2, 4, 8, 16)
 class PackSpec:
     """Group sizes of the packed format (they set the metadata bytes)."""
 
-    v_group: int = 64  # channels per V scale/zero
+    # channels per V scale/zero: one size, or one per packed V width (2, 4, 8 bits). A scale costs a 2-bit row
+    # a larger share of its bytes than an 8-bit row, so finer groups may pay only at the wider widths.
+    v_group: int | tuple[int, int, int] = 64
     k_group: int = 128  # tokens per K scale/zero, per channel
     k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.v_group, list):  # as JSON gives it back (rdkv.io)
+            object.__setattr__(self, "v_group", tuple(self.v_group))
+
+    def v_group_of(self, width: int) -> int:
+        """V channels per scale/zero at ``width`` in quant.PACKED."""
+        return self.v_group if isinstance(self.v_group, int) else self.v_group[quant.PACKED.index(width)]
+
     def check(self, head_dim: int) -> None:
-        for name, g in (("v_group", self.v_group), ("k_block", self.k_block)):
+        vg = self.v_group
+        if not isinstance(vg, int) and not (isinstance(vg, tuple) and len(vg) == len(quant.PACKED)
+                                            and all(isinstance(g, int) for g in vg)):
+            raise RDKVError(f"v_group must be an int or one int per V width {quant.PACKED}, got {vg!r}")
+        groups = [(f"v_group at {w} bits" if isinstance(vg, tuple) else "v_group", self.v_group_of(w))
+                  for w in (quant.PACKED if isinstance(vg, tuple) else quant.PACKED[:1])]
+        for name, g in groups + [("k_block", self.k_block)]:
             if g <= 0 or head_dim % g:
                 raise RDKVError(f"{name}={g} must divide head_dim={head_dim}; pick a divisor such as {head_dim}")
-        if self.k_group <= 0 or self.k_block % 4 or self.v_group % 4:
+        if self.k_group <= 0 or self.k_block % 4 or any(g % 4 for _, g in groups):
             raise RDKVError("k_group must be positive and v_group/k_block multiples of 4 (2-bit codes pack 4 per byte)")
 
 
@@ -194,7 +210,7 @@ class TriZoneLayer(CacheLayerMixin):
             if w == 16:
                 rows = t["v16"].float()
             else:
-                codes = quant.unpack(t[f"v{w}.codes"], w).unflatten(-1, (-1, spec.v_group))
+                codes = quant.unpack(t[f"v{w}.codes"], w).unflatten(-1, (-1, spec.v_group_of(w)))
                 rows = quant.dequantize(codes, t[f"v{w}.scale"], t[f"v{w}.zero"]).flatten(-2)
             V[s[sel], i[sel]] = rows
         kb = spec.k_block
@@ -248,7 +264,7 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
         if w == 16:
             t["v16"] = rows.to(dtype16)
             continue
-        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quant.quantize_pack(rows, w, spec.v_group)
+        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quant.quantize_pack(rows, w, spec.v_group_of(w))
     kp = k[s_flat, t_flat].gather(1, k_perm.long()[s_flat])  # [N, D] channels permuted
     for w in quant.WIDTHS:
         ps, pb, pair, pi, _, npairs, _ = _k_pairs(k_bits, n, w, spec.k_group)

@@ -39,7 +39,8 @@ def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.Argu
 
 
 def split_method(text: str) -> tuple[str, dict]:
-    """``"rdkv-pool:surprisal=1,k_group=256"`` -> ("rdkv-pool", {"surprisal": 1, "k_group": 256})."""
+    """``"rdkv-pool:surprisal=1,k_group=256,v_group=64/32/32"`` -> ("rdkv-pool", {"surprisal": 1, "k_group": 256,
+    "v_group": (64, 32, 32)})."""
     name, _, opts = text.partition(":")
     if name not in rdkv.methods.METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {name!r}; choose one of {', '.join(rdkv.methods.METHODS)}")
@@ -50,6 +51,9 @@ def split_method(text: str) -> tuple[str, dict]:
         if not eq or key not in known:
             raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not KEY=VALUE with KEY one of {sorted(known)}")
         overrides[key] = {"True": True, "False": False}.get(value, value)
+        if "/" in value:  # one value per V width, e.g. v_group=64/32/32
+            overrides[key] = tuple(int(x) for x in value.split("/"))
+            continue
         for cast in (int, float):
             try:
                 overrides[key] = cast(value)

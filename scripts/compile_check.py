@@ -37,6 +37,7 @@ def variants(quick: bool) -> list[dict]:
     if quick:
         for D in (64, 128, 256):
             out.append(dict(D=D, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16))
+        out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, vg=(64, 32, 32)))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         return out
     for D, (GL, L) in itertools.product((64, 128, 256), ((4, 1), (64, 8))):
@@ -46,6 +47,7 @@ def variants(quick: bool) -> list[dict]:
     for D in (64, 128, 256):  # window + mask + softcap together (the heaviest masking path), and k_block 32
         out.append(dict(D=D, dtype="fp16", GL=8, L=1, flags=(True, True, True), kb=16))
         out.append(dict(D=D, dtype="bf16", GL=8, L=1, flags=(False, False, False), kb=32))
+        out.append(dict(D=D, dtype="fp16", GL=24, L=3, flags=(False, False, False), kb=16, vg=(64, 32, 16)))  # per width
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, fold=True))  # scales folded
     return out
@@ -143,7 +145,7 @@ def compile_one(v: dict, arch: int) -> dict:
         return dict(v, arch=arch, block_m=block_m, block_n=0, warps=m.merge_warps(D, block_m), smem=k.metadata.shared, secs=time.time() - t0,
                     **resource_usage(k, arch))
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
-    consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], V_GROUP=32, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
+    consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], **dict(zip(("VG2", "VG4", "VG8"), v.get("vg", (32, 32, 32)))), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
                   FOLD_K=v.get("fold", cfg.fold_k))
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"

@@ -188,3 +188,13 @@ def test_bfloat16_cache_round_trips(tmp_path):
     assert cache.layers[0].dtype16 == torch.bfloat16 and cache.layers[0].t["kc"].dtype == torch.bfloat16
     save(cache, tmp_path / "bf")
     assert_identical(cache, load(tmp_path / "bf"))
+
+
+def test_v_group_per_width_round_trips(tmp_path):
+    model = tiny_llama(2)
+    rdkv.attach(model)
+    model(torch.randint(0, 96, (1, 80)), use_cache=True)
+    cache = rdkv.compress(model, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16)
+    assert cache.layers[0].spec.v_group == (32, 16, 8)
+    save(cache, tmp_path / "w")
+    assert_identical(cache, load(tmp_path / "w"))

@@ -209,6 +209,10 @@ def test_bf16_cache_with_fp32_queries_and_other_pack_specs():
     check(layer, query(layer, 4, 1, torch.float32))
     layer = build(seed=9, B=1, H=2, T=300, D=128, n_c=3, spec=PackSpec(v_group=128, k_group=7, k_block=32))
     check(layer, query(layer, 2, 3, torch.float16))
+    for groups in ((64, 32, 16), (16, 32, 128)):  # a V group size per width class, each path its own
+        layer = build(seed=10, B=2, H=1, T=300, D=128, n_c=2, spec=PackSpec(v_group=groups, k_group=64, k_block=16))
+        assert [layer.t[f"v{w}.scale"].shape[1] for w in (2, 4, 8)] == [128 // g for g in groups]
+        check(layer, query(layer, 2, 1, torch.float16))
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter computes bf16 wrongly")

@@ -3,11 +3,14 @@ import pytest
 import torch
 
 from rdkv import quant
-from rdkv.distortion import LayerTables, fixed_bytes
+from rdkv.distortion import LayerTables, fixed_bytes, layer_tables
+from rdkv.errors import RDKVError
+from rdkv.attention import AttentionSums
 from rdkv.reference import trizone_attention
 from rdkv.trizone import PackSpec, pack_layer
 
 SPEC = PackSpec(v_group=16, k_group=8, k_block=16)
+PER_WIDTH = PackSpec(v_group=(32, 16, 8), k_group=8, k_block=16)  # a V group size per width (2, 4, 8 bits)
 
 
 def packed(seed=0, B=2, H=2, T=37, D=32, start=0, spec=SPEC):
@@ -23,8 +26,9 @@ def packed(seed=0, B=2, H=2, T=37, D=32, start=0, spec=SPEC):
     return layer, k, v, vw, kb, perm
 
 
-def test_dequantize_matches_each_width():
-    layer, k, v, vw, kb, perm = packed()
+@pytest.mark.parametrize("spec", [SPEC, PER_WIDTH], ids=["one-v-group", "v-group-per-width"])
+def test_dequantize_matches_each_width(spec):
+    layer, k, v, vw, kb, perm = packed(spec=spec)
     K, V, pos, valid = layer.dequantize()
     B, H, T, D = k.shape
     kw = layer.k_widths()
@@ -37,7 +41,11 @@ def test_dequantize_matches_each_width():
         assert torch.equal(p.sort().values, torch.nonzero(vw[b, h] > 0).squeeze(1))
         for w in quant.WIDTHS[1:]:
             sel = vw[b, h, p] == w
-            want = v[b, h, p[sel]].half().float() if w == 16 else quant.fake_quantize(v[b, h, p[sel]].view(-1, D // 16, 16), w).flatten(-2)
+            if w == 16:
+                want = v[b, h, p[sel]].half().float()
+            else:
+                g = spec.v_group_of(w)
+                want = quant.fake_quantize(v[b, h, p[sel]].view(-1, D // g, g), w).flatten(-2)
             torch.testing.assert_close(V[s, :n][sel], want, rtol=0, atol=1e-6)
         kk = k[b, h, p]  # [n, D] true keys of the kept tokens
         for c in range(D):
@@ -51,19 +59,32 @@ def test_dequantize_matches_each_width():
                 assert (got - kk[:, c]).abs().max() <= rng / ((1 << w) - 1) / 2 * 1.01 + 2e-2
 
 
-def test_nbytes_is_what_the_allocator_charges():
-    layer, k, v, vw, kb, perm = packed(seed=3, start=40000)
+@pytest.mark.parametrize("spec", [SPEC, PER_WIDTH], ids=["one-v-group", "v-group-per-width"])
+def test_nbytes_is_what_the_allocator_charges(spec):
+    layer, k, v, vw, kb, perm = packed(seed=3, start=40000, spec=spec)
     B, H, T, D = k.shape
     present = torch.ones(B, H, T, dtype=torch.bool)
     pos_bytes = 4  # positions past 32767 need int32
-    rv = torch.tensor([quant.row_bytes(w, D, SPEC.v_group) + (pos_bytes if w else 0) for w in quant.WIDTHS], dtype=torch.float64)
-    tables = LayerTables(None, rv, present, None, None, SPEC, fixed_bytes(H, D, SPEC), torch.ones(B))
+    rv = torch.tensor([quant.row_bytes(w, D, spec.v_group_of(w) if w in quant.PACKED else D) + (pos_bytes if w else 0)
+                       for w in quant.WIDTHS], dtype=torch.float64)
+    sums = AttentionSums(torch.ones(B, H, T), torch.ones(B, H, T), torch.ones(B, H, D), torch.ones(B))
+    assert torch.equal(layer_tables(k, v, present, sums, D**-0.5, spec, 40000 + T).rv, rv)  # what the solver charges
+    tables = LayerTables(None, rv, present, None, None, spec, fixed_bytes(H, D, spec), torch.ones(B))
     idx = {w: i for i, w in enumerate(quant.WIDTHS)}
     v_cost = rv[vw.flatten().apply_(idx.get)].sum()
     n = (vw > 0).sum(-1)  # [B, H]
     rk = tables.rk(n)  # [B, H, 5]
     k_cost = sum(float(rk[b, h, idx[int(w)]]) for b in range(B) for h in range(H) for w in kb[b, h])
     assert layer.nbytes == B * tables.fixed + v_cost + k_cost
+
+
+def test_pack_spec_checks_every_v_group():
+    PER_WIDTH.check(32)
+    for bad, match in (((32, 16), "one int per V width"), ((32, 12, 8), "v_group at 4 bits=12 must divide"),
+                       ((32, 16, 2), "multiples of 4"), ("64", "one int per V width")):
+        with pytest.raises(RDKVError, match=match):
+            PackSpec(v_group=bad).check(32)
+    assert PackSpec(v_group=[32, 16, 8]).v_group == (32, 16, 8)  # as rdkv.io reads it back from JSON
 
 
 def dense_attention(q, K, V, allowed, scaling):
