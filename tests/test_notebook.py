@@ -188,4 +188,4 @@ def test_notebook_runs_headless_and_draws_every_figure(tmp_path, monkeypatch):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for c in code for o in c.outputs if o.output_type == "stream")
-    assert "full cache:" in text and "TriZoneCache:" in text
+    assert "full cache:" in text and "TriZoneCache (rdkv):" in text  # the report names what auto ran
