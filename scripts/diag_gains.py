@@ -16,9 +16,8 @@ import math
 
 import torch
 import rdkv
-from common import (calibration_texts, compressions, forward, full_reference, header, kl, parser, publish, split_method,
-                    table)
-from eval_perplexity import nll, prefills
+from common import (calibration_texts, compressions, forward, header, kl, parser, publish, split_method, table)
+from eval_perplexity import nll, prefills, reference
 
 
 def main() -> None:
@@ -42,11 +41,11 @@ def main() -> None:
     raw: dict = {}
     for domain, n, full, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
                                                    args.windows):
-        runs = [(label, c) for label, m, b, opts in variants for _, _, c in compressions(model, [m], [b], **opts)]
-        logits = [(label, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for label, c in runs]
-        ref = full_reference(model, full, tail)
-        for label, ratio, lg in logits:
-            raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
+        ref = reference(model, full, tail)
+        for label, m, b, opts in variants:
+            for _, _, c in compressions(model, [m], [b], **opts):
+                ratio, lg = c.nbytes / c.fp16_bytes, forward(model, c, tail)
+                raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
     rows = [{"domain": d, "context": n, "allocation": label, "bytes/fp16": sum(r[0] for r in rs) / len(rs),
              "ppl increase %": 100 * (math.exp(sum(r[1] for r in rs) / len(rs)) - 1), "KL": sum(r[2] for r in rs) / len(rs)}
             for (d, n, label), rs in raw.items()]

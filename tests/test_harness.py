@@ -84,7 +84,8 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
 
 def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
     """eval_perplexity.prefills: every window's N-token prefix is the model's last prefill when it is yielded,
-    the tail follows it and each target is the token after its tail position."""
+    the tail follows it and each target is the token after its tail position; eval_perplexity.reference
+    scores the full cache without changing what compress sees."""
     import eval_perplexity
 
     class Chars:  # a tokenizer of one id per character: the script only calls tok(text, return_tensors=...)
@@ -100,5 +101,12 @@ def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
         assert (domain, n, full.get_seq_length()) == ("legal", 40, 40)
         assert torch.equal(tail, ids[:, a + 40 : a + 48]) and torch.equal(targets, ids[0, a + 41 : a + 49])
         assert torch.equal(model._rdkv_state.ids, ids[:, a : a + 40])  # compress would see this window's prefix
+        kw = dict(v_group=32, k_group=32, k_block=16)
+        before = rdkv.compress(model, 0.3, **kw)
+        ref = eval_perplexity.reference(model, full, tail)  # the full cache's logits, the record kept
+        assert ref.shape == (8, 96) and full.get_seq_length() == 40
+        after = rdkv.compress(model, 0.3, **kw)
+        assert all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(before.layers, after.layers))
+        assert torch.equal(ref, common.forward(model, copy.deepcopy(full), tail))
         seen += 1
     assert seen == 3 and len(set(starts)) == 3
