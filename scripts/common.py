@@ -238,6 +238,7 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     groups = sorted({r.get("protocol", "") for r in rows})
     fig, axes = plt.subplots(len(groups), len(ys), figsize=(5 * len(ys), 3.6 * len(groups)), squeeze=False)
@@ -245,18 +246,27 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
         for yi, y in enumerate(ys):
             ax = axes[gi][yi]
             colors = plt.get_cmap("tab20").colors
-            for i, m in enumerate(dict.fromkeys(r["method"] for r in rows)):
+            methods = list(dict.fromkeys(r["method"] for r in rows))
+            lead = next((m for m in methods if m.startswith("rdkv")), None)  # the first rdkv method is drawn bold
+            for i, m in enumerate(methods):
                 pts = sorted((r[x], r[y]) for r in rows if r["method"] == m and r.get("protocol", "") == g)
+                if y in ("KL", "NLL"):  # log axis: a zero (a lossless cell) has no place on it
+                    pts = [p for p in pts if p[1] > 0]
                 style = "o-" if m.startswith("rdkv") else "s--"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=m, color=colors[i % 20],
-                        lw=2.5 if m == "rdkv" else 1)
+                        lw=2.5 if m == lead else 1)
             ax.set_xscale("log")
+            xs = [r[x] for r in rows]
+            ticks = [t for t in (0.025, 0.05, 0.1, 0.25, 0.5, 1.0) if 0.8 * min(xs) <= t <= 1.25 * max(xs)]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # the budgets, where the data is
+            ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on a short decade
             ax.set_xlabel("bytes held / fp16 bytes")
             ax.set_ylabel(y)
             ax.set_title(f"{title} {g}".strip())
-            if y in ("KL", "NLL", "ppl increase %"):
-                ax.set_yscale("symlog", linthresh=1e-2)
-                ax.set_ylim(bottom=0)
+            if y in ("KL", "NLL"):
+                ax.set_yscale("log")
+            elif y == "ppl increase %":  # may be negative
+                ax.set_yscale("symlog", linthresh=0.1)
     axes[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
