@@ -5,7 +5,8 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
 * Tokens a stream keeps are ordered by V width class (2, 4, 8, 16), then by position. ``v_counts``
   [S, 4] holds the class sizes; every other index is derived from it.
 * V rows of class w in {2, 4, 8} (zone A) are packed codes ``v{w}.codes`` [rows, D*w/8] with one fp16
-  scale and zero per ``v_group`` channels (``spec.v_group_of(w)``: the size may differ per width); class 16 rows are ``v16`` (zone B), in the 16-bit dtype.
+  scale and zero per ``spec.v_group_of(w)`` channels (one size, or one per width); class 16 rows are
+  ``v16`` (zone B), in the 16-bit dtype.
 * K is stored per channel block of ``k_block`` channels. ``k_perm`` [S, D] permutes the channels so
   blocks are contiguous and ordered by width; ``k_bits`` [S, D/k_block] gives each block's width.
   The rows of all (block, stream) pairs of width w, block-major, are ``k{w}.codes`` [rows, k_block*w/8],
@@ -39,8 +40,8 @@ V_CLASSES = (2, 4, 8, 16)
 class PackSpec:
     """Group sizes of the packed format (they set the metadata bytes)."""
 
-    # channels per V scale/zero: one size, or one per packed V width (2, 4, 8 bits). A scale costs a 2-bit row
-    # a larger share of its bytes than an 8-bit row, so finer groups may pay only at the wider widths.
+    # channels per V scale/zero: one size, or one per packed V width (2, 4, 8 bits). On Gemma 3 at ~40% of the
+    # bytes, groups of 32 paid on the 2-bit rows only: (32, 64, 64) (docs/experiments.md, fourth session)
     v_group: int | tuple[int, int, int] = 64
     k_group: int = 128  # tokens per K scale/zero, per channel
     k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
