@@ -194,10 +194,15 @@ def release(model: torch.nn.Module) -> None:
     state.ids = state.hidden = state.surprisal = None
 
 
-def _state(model: torch.nn.Module) -> RDKVState:
+def _attached(model: torch.nn.Module) -> RDKVState:
     state = getattr(model, "_rdkv_state", None)
     if state is None:
         raise RDKVError("model is not attached: call rdkv.attach(model) before the prefill, then compress")
+    return state
+
+
+def _state(model: torch.nn.Module) -> RDKVState:
+    state = _attached(model)
     if not state.layers:
         raise RDKVError("no prefill seen since attach: run model(input_ids, use_cache=True) first, then compress")
     return state
@@ -292,9 +297,7 @@ def resolve_method(model: torch.nn.Module, method: str, overrides: dict) -> tupl
     """
     if method != AUTO:
         return method, overrides
-    state = getattr(model, "_rdkv_state", None)
-    if state is None:
-        raise RDKVError("model is not attached: call rdkv.attach(model) before the prefill, then compress")
+    state = _attached(model)
     kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
     name = "rdkv-hybrid" if {"sliding_attention", "full_attention"} <= kinds else "rdkv"
     preset = {k: min(v, state.window) if k in ("window", "window_sliding") else v for k, v in RDKV_VARIANTS[name].items()}

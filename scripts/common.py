@@ -185,6 +185,16 @@ def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
     return model(tail, past_key_values=cache).logits[0].float()
 
 
+def feeder(model, tail: torch.Tensor):
+    """``through(cache)``: logits of teacher-forcing ``tail``; an ordinary layer extends rdkv's record of the
+    prefill, which is put back afterwards so every cache sees the same prefill."""
+    def through(cache) -> torch.Tensor:
+        with model._rdkv_state.kept():
+            return forward(model, cache, tail)
+
+    return through
+
+
 def full_reference(model, prefill_cache, tail: torch.Tensor) -> torch.Tensor:
     """The uncompressed cache's logits (run last: an ordinary cache extends rdkv's statistics)."""
     return forward(model, copy.deepcopy(prefill_cache), tail)

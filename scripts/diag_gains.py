@@ -12,12 +12,13 @@ knapsack as a method option: ``rdkv-hybrid:scope=global,layer_gains=fit`` (power
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import rdkv
-from common import (calibration_texts, compressions, forward, header, kl, parser, publish, split_method, table)
-from eval_perplexity import nll, prefills, reference
+from common import calibration_texts, compressions, feeder, forward, header, kl, parser, publish, split_method, table
+from eval_perplexity import nll, prefills
 
 
 def main() -> None:
@@ -31,8 +32,11 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     rdkv.attach(model)
-    found = {(m, b): rdkv.fit_layer_gains(model, calibration_texts(tok), split_method(m)[0], b, power=1.0,
-                                          **split_method(m)[1]) for m in args.methods for b in args.budgets}
+    found = {}
+    for m in args.methods:
+        name, extra = split_method(m)
+        for b in args.budgets:
+            found[m, b] = rdkv.fit_layer_gains(model, calibration_texts(tok), name, b, power=1.0, **extra)
     variants = []  # (label, method string, budget, extra options)
     for (m, b), g in found.items():
         variants += [(m, m, b, {}), (f"{m} global", m, b, {"scope": "global"})]
@@ -41,11 +45,12 @@ def main() -> None:
     raw: dict = {}
     for domain, n, full, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
                                                    args.windows):
-        ref = reference(model, full, tail)
+        ref = feeder(model, tail)(copy.deepcopy(full))
+        base = nll(ref, targets)
         for label, m, b, opts in variants:
             for _, _, c in compressions(model, [m], [b], **opts):
                 ratio, lg = c.nbytes / c.fp16_bytes, forward(model, c, tail)
-                raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - nll(ref, targets), kl(ref, lg)))
+                raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - base, kl(ref, lg)))
     rows = [{"domain": d, "context": n, "allocation": label, "bytes/fp16": sum(r[0] for r in rs) / len(rs),
              "ppl increase %": 100 * (math.exp(sum(r[1] for r in rs) / len(rs)) - 1), "KL": sum(r[2] for r in rs) / len(rs)}
             for (d, n, label), rs in raw.items()]

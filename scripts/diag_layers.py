@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 import rdkv
 from rdkv.calibrate import plain_prefill, swap_in
-from common import (compressions, dense_probs, domain_text, forward, header, kl, parser, publish, table,
+from common import (compressions, dense_probs, domain_text, feeder, header, kl, parser, publish, table,
                     weight_window)
 
 
@@ -28,16 +28,6 @@ def width_shares(layer) -> dict[str, float]:
     """Share of this layer's V rows at each width (0 = evicted), and its mean K width."""
     vw, kw = layer.v_widths().float(), layer.k_widths().float()
     return {f"V@{b}": float((vw == b).float().mean()) for b in (0, 2, 4, 8, 16)} | {"K bits": float(kw.mean())}
-
-
-def feeder(model, tail: torch.Tensor):
-    """``through(cache)``: logits of teacher-forcing ``tail``; an ordinary layer extends rdkv's record of the
-    prefill, which is put back afterwards so every cache sees the same prefill."""
-    def through(cache) -> torch.Tensor:
-        with model._rdkv_state.kept():
-            return forward(model, cache, tail)
-
-    return through
 
 
 def low_width_share(st, q: torch.Tensor, low: torch.Tensor, n: int) -> float:

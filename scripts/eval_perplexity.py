@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, compressions, domain_text, fitted_gains, forward, full_reference, header, kl,
+from common import (add_tune_prior, compressions, domain_text, feeder, fitted_gains, forward, header, kl,
                     needs_all_queries, parser, table, tune_prior, write)
 
 
@@ -46,14 +46,6 @@ def windows(length: int, span: int, count: int) -> list[int]:
         return []
     last = length - span
     return sorted({round(i * last / (count - 1)) for i in range(count)}) if count > 1 else [0]
-
-
-def reference(model, full_cache, tail: torch.Tensor) -> torch.Tensor:
-    """The full cache's logits over ``tail``, keeping the model's record of the prefix, so every compression
-    can follow and each is scored as it comes (one window's logits, not one per method and budget, are held:
-    with Gemma 3's 262k vocabulary each is 268 MB at 256 tokens)."""
-    with model._rdkv_state.kept():
-        return full_reference(model, full_cache, tail)
 
 
 def prefills(model, tok, domains: list[str], contexts: list[int], continuation: int, count: int):
@@ -92,7 +84,9 @@ def main() -> None:
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
     for domain, n, full_cache, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
                                                          args.windows):
-        ref = reference(model, full_cache, tail)
+        # the full cache's logits first, the prefill record kept, so each compression is scored as it comes:
+        # one window's logits are held, not one per method and budget (268 MB each with Gemma 3's vocabulary)
+        ref = feeder(model, tail)(copy.deepcopy(full_cache))
         base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
         raw[domain, n, "full", 1.0, 0].append(dict(ratio=1.0, end=1.0, nll=base, base=base, kl=0.0))
         for m, b, c in compressions(model, args.methods, args.budgets, gains):

@@ -138,8 +138,7 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     from conftest import tiny_gemma3
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import diag_layers
-    from common import kl
+    from common import feeder, kl
     from rdkv.calibrate import cache_options, modelled_distortion, plain_prefill, swap_in
 
     model = rdkv.attach(tiny_gemma3(3))
@@ -155,7 +154,7 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     c = rdkv.compress(model, 0.2, **SMALL)
     _, tables, _ = rdkv.api.allocation_tables(model, **SMALL)
     d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
-    through = diag_layers.feeder(model, ids[:, 72:])
+    through = feeder(model, ids[:, 72:])
     ref = through(copy.deepcopy(full))
     want = torch.tensor([kl(ref, through(swap_in(full, c, [i]))) / d[i] for i in range(3)])
     want = want / want.log().mean().exp()

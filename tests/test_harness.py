@@ -61,7 +61,6 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     """rdkv.calibrate's hybrids (used by diag_layers and fit_layer_gains): swapping every layer in gives the
     compressed cache's own logits, none gives the full cache's, and one layer gives something in between;
     sliding-window and global layers alike."""
-    import diag_layers
     from rdkv.calibrate import plain_prefill, swap_in
 
     model = tiny_gemma3(3)
@@ -70,7 +69,7 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     prefix, tail = ids[:, :70], ids[:, 70:]
     full = plain_prefill(model, prefix)
     c = rdkv.compress(model, 0.2, v_group=32, k_group=32, k_block=16)
-    through = diag_layers.feeder(model, tail)
+    through = common.feeder(model, tail)
     ref = through(copy.deepcopy(full))
     own = through(copy.deepcopy(c))
     n = len(c.layers)
@@ -84,7 +83,7 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
 
 def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
     """eval_perplexity.prefills: every window's N-token prefix is the model's last prefill when it is yielded,
-    the tail follows it and each target is the token after its tail position; eval_perplexity.reference
+    the tail follows it and each target is the token after its tail position; common.feeder
     scores the full cache without changing what compress sees."""
     import eval_perplexity
 
@@ -103,7 +102,7 @@ def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
         assert torch.equal(model._rdkv_state.ids, ids[:, a : a + 40])  # compress would see this window's prefix
         kw = dict(v_group=32, k_group=32, k_block=16)
         before = rdkv.compress(model, 0.3, **kw)
-        ref = eval_perplexity.reference(model, full, tail)  # the full cache's logits, the record kept
+        ref = common.feeder(model, tail)(copy.deepcopy(full))  # the full cache's logits, the record kept
         assert ref.shape == (8, 96) and full.get_seq_length() == 40
         after = rdkv.compress(model, 0.3, **kw)
         assert all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(before.layers, after.layers))
