@@ -12,7 +12,7 @@ from . import quant
 from .attention import RDKVState, rdkv_attention
 from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_tables
 from .methods import AUTO, BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, SNAP_WINDOW, LayerInput
-from .calibrate import modelled_distortion
+from .calibrate import layer_distortion, modelled_distortion
 from .errors import RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
@@ -437,13 +437,13 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
         budget = _check_budget(budget)
     cfg, held, fp16, tables, ropes = _prepare(model, method, config, overrides)
     spec = cfg.spec
-    distortion = None
+    per_layer = None
     try:
         if tables is not None:
             if error is not None:
                 budget = _budget_for_error(tables, fp16, cfg.scope, cfg.passes, cal, error)
             v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)
-            distortion = modelled_distortion(tables, v_opt, k_opt)
+            per_layer = tuple(layer_distortion(tables, v_opt, k_opt))
             perms = [t.perm for t in tables]
         else:
             fixed = [sum(_fixed(k.shape[1], k.shape[-1], cfg) for _, k, _, _, _ in held)] * len(fp16)
@@ -459,7 +459,8 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     for layer, rope in zip(layers, ropes):
         if rope is not None:
             layer.t["rope"] = rope
-    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, distortion=distortion, method=method)
+    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, method=method, layer_distortion=per_layer,
+                         distortion=None if per_layer is None else sum(per_layer))
     if fold is not None:
         if not isinstance(fold, FoldPolicy):
             fold = FoldPolicy(every=fold, budget=budget if budget is not None else cache.nbytes / cache.fp16_bytes)

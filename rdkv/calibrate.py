@@ -44,14 +44,19 @@ class Calibration:
         return min((kl / self.a) ** (1 / self.p), max(d for d, _ in self.points))
 
 
-def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
-    """Sum over layers of the solver's distortion for the chosen widths, per weight query and sequence."""
-    total = 0.0
+def layer_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> list[float]:
+    """Each layer's solver distortion for the chosen widths, per weight query, averaged over sequences."""
+    out = []
     for t, vo, ko in zip(tables, v_opt, k_opt):
         dv = t.dv.gather(-1, vo.unsqueeze(-1)).squeeze(-1).masked_fill(~t.present, 0.0)
         dk = t.dk.gather(-1, ko.unsqueeze(-1)).squeeze(-1)
-        total += float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean())
-    return total
+        out.append(float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean()))
+    return out
+
+
+def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
+    """Sum over layers of the solver's distortion for the chosen widths, per weight query and sequence."""
+    return sum(layer_distortion(tables, v_opt, k_opt))
 
 
 def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -234,7 +239,7 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     fitted on prose and code, every global allocation doubled SmolLM2's KL on legal text
     (docs/experiments.md, 2026-11-30 third session). The user's prefill record is restored.
     """
-    from .api import allocation_tables, compress
+    from .api import compress
 
     texts = _check_texts(model, texts, prefix, "fit_layer_gains")
     if {"scope", "layer_gains", "config"} & set(options):
@@ -248,8 +253,6 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
             n = int(ids.shape[1] * prefix)
             full = plain_prefill(model, ids[:, :n])
             cache = compress(model, budget, method=method, **options)
-            _, tables, _ = allocation_tables(model, method, **options)
-            v_opt, k_opt = cache_options(cache, tables)
 
             def through(c) -> torch.Tensor:
                 with state.kept():  # an ordinary layer extends the record; every hybrid sees the same prefill
@@ -258,7 +261,6 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
             ref = through(copy.deepcopy(full))
             layer_kl = [_kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
             kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
-            distortion = distortion + torch.tensor([modelled_distortion([t], [v], [k]) for t, v, k in
-                                                    zip(tables, v_opt, k_opt)], dtype=torch.float64)
+            distortion = distortion + torch.tensor(cache.layer_distortion, dtype=torch.float64)
     gains = (kls.clamp_min(0) / distortion.clamp_min(1e-30)).clamp_min(1e-12) ** power
     return tuple((gains / gains.log().mean().exp()).tolist())

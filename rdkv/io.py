@@ -101,6 +101,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
                                  "distortion": cache.distortion, "method": cache.method,
+                                 "layer_distortion": cache.layer_distortion,
                                  "fold": None if policy is None else asdict(policy)}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
@@ -180,7 +181,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
             layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
         out.append(layer)
     cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], distortion=top.get("distortion"),
-                         method=top.get("method"))
+                         method=top.get("method"), layer_distortion=top.get("layer_distortion") and tuple(top["layer_distortion"]))
     if top.get("fold"):
         cache.set_fold(FoldPolicy(**top["fold"]))
     return cache

@@ -305,11 +305,13 @@ class TriZoneCache(Cache):
     """A transformers ``Cache`` whose layers are :class:`TriZoneLayer`."""
 
     def __init__(self, layers: list[TriZoneLayer], fp16_bytes: int, budget: float | None = None,
-                 distortion: float | None = None, method: str | None = None):
+                 distortion: float | None = None, method: str | None = None,
+                 layer_distortion: tuple[float, ...] | None = None):
         super().__init__(layers=layers)
         self.fp16_bytes = fp16_bytes  # what the compressed prefix takes as a plain fp16 cache
         self.budget = budget
         self.distortion = distortion  # the solver's modelled distortion (rdkv.calibrate), None for baselines
+        self.layer_distortion = layer_distortion  # its parts, one per layer (their sum is ``distortion``)
         self.method = method  # the method compress ran ("auto" resolved)
 
     def set_fold(self, policy) -> None:

@@ -27,14 +27,7 @@ import rdkv
 from common import (calibration_texts, domain_text, forward, full_reference, header, kl, parser, split_method, table,
                     write)
 from rdkv.attention import allowed_keys
-from rdkv.calibrate import cache_options, modelled_distortion
 from rdkv.reference import partial_attention
-
-
-def layer_distortion(tables, cache) -> list[float]:
-    """Each layer's part of the solver's modelled distortion for the widths ``cache`` holds."""
-    v_opt, k_opt = cache_options(cache, tables)
-    return [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, v_opt, k_opt)]
 
 
 def layer_error(model, cache, full_cache, n_tail: int) -> list[float]:
@@ -83,10 +76,7 @@ def main() -> None:
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
         full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        tables = rdkv.api.allocation_tables(model, method, **extra)[1]  # the same for every budget of this prefill
         caches = [("budget", b, rdkv.compress(model, b, method=method, **extra)) for b in args.budgets]
-        per_layer = [layer_distortion(tables, c) for _, _, c in caches]
-        assert all(abs(sum(d) - c.distortion) <= 1e-6 * c.distortion for d, (_, _, c) in zip(per_layer, caches))
         for eps in args.eps:
             try:
                 caches.append(("error", eps, rdkv.compress(model, error=eps, method=method, **extra)))
@@ -95,8 +85,8 @@ def main() -> None:
         ratios = [c.nbytes / c.fp16_bytes for _, _, c in caches]  # before the tail grows zone C
         logits = [forward(model, c, tail) for _, _, c in caches]
         ref = full_reference(model, full_cache, tail)
-        for (how, x, c), d_layers in zip(caches, per_layer):  # the budget caches come first
-            layer_points.append((d_layers, layer_error(model, c, full_cache, tail.shape[1])))
+        for how, x, c in caches[: len(args.budgets)]:
+            layer_points.append((c.layer_distortion, layer_error(model, c, full_cache, tail.shape[1])))
         for (how, x, c), ratio, lg in zip(caches, ratios, logits):
             got = kl(ref, lg)
             row = {"domain": domain, "context": n, "asked": f"{how}={x:g}", "bytes/fp16": ratio,

@@ -154,6 +154,7 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     c = rdkv.compress(model, 0.2, **SMALL)
     _, tables, _ = rdkv.api.allocation_tables(model, **SMALL)
     d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
+    assert c.layer_distortion == pytest.approx(d, rel=1e-9) and c.distortion == pytest.approx(sum(d), rel=1e-9)
     through = feeder(model, ids[:, 72:])
     ref = through(copy.deepcopy(full))
     want = torch.tensor([kl(ref, through(swap_in(full, c, [i]))) / d[i] for i in range(3)])
