@@ -18,7 +18,9 @@ Inside a zone A+B program
     scale/zero of their token group, and width-0 blocks add the constant ``q . mean``. Scores are in base
     2 (q is scaled by ``scaling * log2(e)``), masked by causality / sliding window / the optional bool
     mask, and folded into an online softmax; V rows are dequantized per row (scale/zero per
-    ``v_group`` channels) and accumulated with a second ``tl.dot``.
+    ``v_group`` channels) and accumulated with a second ``tl.dot``. Keys packed before RoPE (a layer with
+    a ``rope`` table) take two dots per block instead, against the block rotated to each token's position
+    (``_rope_dot``); their width-0 blocks are rotated means, so they are scored per tile, not as a constant.
 
 The launcher derives the small per-stream offset tables (class starts, row bases of every (block,
 stream) K pair, work items) from ``v_counts`` and ``k_bits`` with a few vectorised torch ops. They are
@@ -67,28 +69,64 @@ def _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB: tl.constexpr, D: tl.constexpr,
+              sqd, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Add q . RoPE(kt) for pre-RoPE keys ``kt`` [KB, BLOCK_N] at the channels of permuted block ``blk``.
+
+    Rotate-half RoPE turns channel c of a key at position p into k_c cos(p w_c) -/+ k_partner sin(p w_c), with
+    partner = c +/- D/2. Collecting the terms per stored channel, q . RoPE(k) = sum_c k_c (q_c cos + sign_c
+    q_partner(c) sin) (sign +1 below D/2, -1 above), so one block is rotated with its own channels only, in
+    whatever order the permutation put them: two dots, against k * cos and k * sin. ``rope_ptr`` holds the
+    layer's D/2 inverse frequencies, then RoPE's attention scaling (rdkv.rope)."""
+    HALF: tl.constexpr = D // 2
+    ch = tl.load(perm_ptr + s * D + blk * KB + tl.arange(0, KB)).to(tl.int64)
+    low = ch < HALF
+    partner = tl.where(low, ch + HALF, ch - HALF)
+    qa = tl.load(q_row_ptrs[:, None] + ch[None, :] * sqd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qp = tl.load(q_row_ptrs[:, None] + partner[None, :] * sqd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    qp = tl.where(low[None, :], qp, -qp)
+    ang = tl.load(rope_ptr + ch % HALF)[:, None] * kposf[None, :]  # the same fp32 product rdkv.rope forms
+    kt = kt * tl.load(rope_ptr + HALF)
+    scores += tl.dot(qa.to(DOT), (kt * tl.cos(ang)).to(DOT), input_precision=PREC)
+    scores += tl.dot(qp.to(DOT), (kt * tl.sin(ang)).to(DOT), input_precision=PREC)
+    return scores
+
+
+@triton.jit
 def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr):
+              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr,
+              ROPE: tl.constexpr, kposf, rope_ptr):
     """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
 
     ``FOLD_K``: the tile ``t0 + [0, BLOCK_N)`` lies inside one token group (the caller aligns tiles), so
     its per-channel scale folds into q and its zero into one constant per query row,
     ``q . (code * sc + z) = (q * sc) . code + q . z``: the dot reads the integer codes as they are, and
-    the scale/zero loads shrink from [KB, BLOCK_N] to [KB]. Otherwise the codes are dequantized first."""
+    the scale/zero loads shrink from [KB, BLOCK_N] to [KB]. Otherwise the codes are dequantized first.
+    ``ROPE``: the keys were packed before RoPE; each dequantized block is rotated to the tile's positions
+    ``kposf`` (:func:`_rope_dot`), width-0 blocks (the channel means, ``codes_ptr``) included. The launcher
+    never combines it with ``FOLD_K``."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
     j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
     c = tl.arange(0, KB)
     for j in range(j_lo, j_hi):
         blk = tl.load(kord_ptr + tab_base + j)
         row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
-        qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
         rows = row0 + i.to(tl.int64)  # [BLOCK_N]
-        if W == 16:
+        if W == 0:  # only with ROPE: a mean's score depends on the position it is rotated to
+            mean = tl.load(codes_ptr + row0 * KB + c).to(tl.float32)
+            kt = tl.where(tok_ok[None, :], mean[:, None], 0.0)
+            scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd, DOT, PREC)
+        elif W == 16:
             kt = tl.load(codes_ptr + rows[None, :] * KB + c[:, None], mask=tok_ok[None, :], other=0.0)
-            scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+            if ROPE:
+                scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
+                                   KB, D, sqd, DOT, PREC)
+            else:
+                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
         else:
             # packed bytes [RB, BN] unpacked in registers to [RB, PER, BN] -> [KB, BN] (channel = byte * PER + k)
             PER: tl.constexpr = 8 // W
@@ -99,6 +137,7 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
             code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
             g0 = tl.load(kgrp_ptr + tab_base + j)
             if FOLD_K:
+                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
                 sz = (g0 + t0 // K_GROUP) * KB + c
                 sc = tl.load(scale_ptr + sz).to(tl.float32)
                 zp = tl.load(zero_ptr + sz).to(tl.float32)
@@ -111,7 +150,12 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
                 sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
                 zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
                 kt = code.to(tl.float32) * sc + zp
-                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+                if ROPE:
+                    scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd,
+                                       DOT, PREC)
+                else:
+                    qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+                    scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
     return scores
 
 
@@ -156,12 +200,13 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base,
               pos_ptr, mask_ptr, smb, sml, smk, q_l,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
-              k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
+              k0m, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
               vc_ptr, vs_ptr, vz_ptr, sqd, window, softcap,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
               K_GROUP, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT: tl.constexpr, PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr):
+              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr, ROPE: tl.constexpr,
+              rope_ptr):
     """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens (with ``FOLD_K``,
     tiles start at multiples of ``BLOCK_N`` so none straddles a K token group; the launcher checks that
     ``BLOCK_N`` divides the group)."""
@@ -178,15 +223,24 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         else:
             tok_ok = i < e
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
+        kposf = kpos.to(tl.float32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+        if ROPE:  # without it, width-0 blocks are the constant ``bias``
+            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                               kgrp_ptr, kcls_ptr, k0m, k0m, k0m, sqd, 0, 0, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
+                               FOLD_K, ROPE, kposf, rope_ptr)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+                           ROPE, kposf, rope_ptr)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+                           ROPE, kposf, rope_ptr)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+                           ROPE, kposf, rope_ptr)
         scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K)
+                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+                           ROPE, kposf, rope_ptr)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
         p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
@@ -232,13 +286,14 @@ def _trizone_attn(
     k0m, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
     v2c, v2s, v2z, v4c, v4s, v4z, v8c, v8s, v8z, v16,
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
-    mask_ptr, smb, sml, smk,
+    mask_ptr, smb, sml, smk, rope_ptr,
     n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
     H, G, L, K_GROUP, SPLIT,
     D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
     VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_K: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
@@ -265,15 +320,17 @@ def _trizone_attn(
         q_row_ptrs = q_ptr + b * sqb + (h * G + g).to(tl.int64) * sqh + q_l * sql
         tab_base = s * NB
         # width-0 K blocks: every kept token has the channel means, a constant score per query row
+        # (unless ROPE rotates the means to each token's position: then _k_scores adds them per tile)
         bias = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        cK = tl.arange(0, KB)
-        for j in range(tl.load(kcls_ptr + s * 6), tl.load(kcls_ptr + s * 6 + 1)):
-            blk = tl.load(kord_ptr + tab_base + j)
-            row0 = tl.load(krow_ptr + tab_base + j)
-            qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT).to(tl.float32)
-            mean = tl.load(k0m + row0 * KB + cK).to(tl.float32)
-            bias += tl.reduce(qb * mean[None, :], 1, _add)
-        bias = bias * scale2
+        if not ROPE:
+            cK = tl.arange(0, KB)
+            for j in range(tl.load(kcls_ptr + s * 6), tl.load(kcls_ptr + s * 6 + 1)):
+                blk = tl.load(kord_ptr + tab_base + j)
+                row0 = tl.load(krow_ptr + tab_base + j)
+                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT).to(tl.float32)
+                mean = tl.load(k0m + row0 * KB + cK).to(tl.float32)
+                bias += tl.reduce(qb * mean[None, :], 1, _add)
+            bias = bias * scale2
         for c in tl.static_range(4):  # V width classes 2, 4, 8, 16: one dequantisation path each
             if c == 0:
                 vc, vs, vz = v2c, v2s, v2z
@@ -286,10 +343,10 @@ def _trizone_attn(
             m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + c),
                                       tl.load(vcls_ptr + s * 5 + c + 1), tl.load(vbase_ptr + s * 4 + c), q_row_ptrs,
                                       row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base, pos_ptr, mask_ptr, smb, sml,
-                                      smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k2c, k2s, k2z, k4c, k4s, k4z,
-                                      k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD, NB,
-                                      K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, BLOCK_M,
-                                      scale2, FOLD_K)
+                                      smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k0m, k2c, k2s, k2z, k4c, k4s,
+                                      k4z, k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD,
+                                      NB, K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP,
+                                      BLOCK_M, scale2, FOLD_K, ROPE, rope_ptr)
     else:
         cid = pid - n_ab
         s = cid // c_chunks
@@ -472,15 +529,17 @@ class Config:
     fold_k: bool = FOLD_K  # fold K scales into q (needs block_n | k_group) rather than dequantize first
 
 
-def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16) -> Config:
-    """Tile sizes per head_dim, query-row block and dtype, chosen so no variant spills registers
-    (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
+def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16, rope: bool = False) -> Config:
+    """Tile sizes per head_dim, query-row block, dtype and key layout (``rope``: pre-RoPE keys), chosen so no
+    variant spills registers (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
     (0 or 1) / RDKV_KERNEL_MAXNREG override them for experiments (scripts/bench_decode.py --sweep)."""
     block_n = 64 if D <= 128 else 32
     warps = 4 if D <= 64 else 8
     maxnreg = None
     if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
         block_n, maxnreg = 16, 65536 // (32 * warps)
+    elif rope:  # left alone, ptxas stops at 168 registers and spills ~1 KB at head_dim 64 (sm_90)
+        maxnreg = 255
     block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
     warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
     maxnreg = int(os.environ.get("RDKV_KERNEL_MAXNREG", 0)) or maxnreg
@@ -540,9 +599,10 @@ def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
         raise RDKVError(f"Triton decode needs v_group a power of two (register unpacking), the layer has v_group={vg}")
     if L < 1:
         raise RDKVError("Triton decode needs at least one query position")
-    if "rope" in layer.t:
-        raise RDKVError("this cache holds pre-RoPE keys (compressed with prerope=True), which only the torch decode "
-                        "path rotates back: set RDKV_BACKEND=torch, or compress without prerope")
+    rope = layer.t.get("rope")
+    if rope is not None and (rope.dtype != torch.float32 or rope.shape != (D // 2 + 1,)):
+        raise RDKVError(f"the layer's RoPE table must be float32 [head_dim/2 + 1] = [{D // 2 + 1}], got {rope.dtype} "
+                        f"{tuple(rope.shape)}: the cache is corrupt")
     if softcap is not None and not softcap > 0:
         raise RDKVError(f"softcap must be positive, got {softcap}")
     if mask is not None:
@@ -600,6 +660,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             x = st.get(name)
             return x if x is not None and x.numel() else torch.zeros(1, dtype=dtype, device=dev)
 
+        regs = launch_config(D, block_m, query.dtype, "rope" in st).maxnreg
         _trizone_attn[(size, m_blocks)](
             query, *query.stride(), part[off:], lse[off:],
             st["pos"], st["k_perm"], tab.tok0, tab.vcls, tab.vbase, tab.kord, tab.krow, tab.kgrp, tab.kcls,
@@ -611,7 +672,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             get("v2.codes", torch.uint8), get("v2.scale"), get("v2.zero"),
             get("v4.codes", torch.uint8), get("v4.scale"), get("v4.zero"),
             get("v8.codes", torch.uint8), get("v8.scale"), get("v8.zero"), get("v16", layer.dtype16),
-            kc, *kc.stride(), vc, *vc.stride(), *mask_args,
+            kc, *kc.stride(), vc, *vc.stride(), *mask_args, get("rope", torch.float32),
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
             H, G, L, spec.k_group, tab.split,
@@ -619,8 +680,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             VG2=spec.v_group_of(2), VG4=spec.v_group_of(4), VG8=spec.v_group_of(8), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
-            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0 and "rope" not in st, ROPE="rope" in st,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": regs} if regs else {}),
         )
     if len(tabs) == 1:
         seg_first, seg_cnt = tabs[0].ab_first, tabs[0].ab_cnt

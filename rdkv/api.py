@@ -44,7 +44,7 @@ class CompressConfig:
     evict: bool = True  # False: every token keeps at least 2 bits
     sinks: int = 4  # first tokens that may not be evicted
     recent: int = 32  # last prefill tokens that may not be evicted
-    prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope; torch decode path only)
+    prerope: bool = False  # quantize keys before RoPE, as KVQuant does (rdkv.rope)
     visible: float = 0.0  # weigh tokens per window query that can see them: 1 fully, 0 off (rdkv.weights.per_visible)
     visible_cap: float | None = None  # largest factor ``visible`` may scale a token by (None: W, no cap)
     horizon: int | None = None  # tokens expected to be decoded: sliding layers weigh a token by how long it stays visible

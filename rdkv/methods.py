@@ -50,7 +50,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-noprior": {"surprisal": 0.0},  # no reserve for unseen questions at all
     "rdkv-qfloor": {"q_floor": 0.5},  # half of each K channel's query weight from the channel mean (worse on Gemma 3)
     "rdkv-floor": {"floor": 1.0, "surprisal": 3.0},  # the prior before 2026-11-29 (uniform floor, surprisal 3)
-    "rdkv-prerope": {"prerope": True},  # KVQuant's pre-RoPE keys (torch decode path only)
+    "rdkv-prerope": {"prerope": True},  # KVQuant's pre-RoPE keys, rotated back at decode
     # where an evicted token's mass is assumed to go (rdkv.distortion.EVICT_TO; the default is "heavy")
     "rdkv-evict-output": {"evict_to": "output"},  # the default until the 8k regression was traced to it
     "rdkv-evict-mean": {"evict_to": "mean"},

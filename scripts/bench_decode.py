@@ -10,9 +10,9 @@ For every (context, batch, budget) it times
                 of a KV head ride as G query rows of one head, which is exact for decode);
 * ``deq-sdpa``  dequantize the TriZone layer to fp16 (``TriZoneLayer.dequantize``) and run SDPA over it,
                 i.e. what a format without a fused kernel has to do every step;
-* ``other K``   (GPU only) the same kernel compiled with the other K path: K codes dequantized in
-                registers before the dot, or the scales folded into q (``kernels/trizone_decode.py:
-                FOLD_K`` is the default, chosen by this column).
+* ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K block
+                to its tokens' positions inside the dots, so this column is the price of that rotation.
+                (The other compile-time K path, ``FOLD_K``, is one of ``--sweep``'s settings.)
 
 and reports bytes the TriZone step reads (every tensor of the layer plus q: each byte is read once) per
 second, as a fraction of the GPU's peak memory bandwidth (nominal figure for known GPUs, and the
@@ -42,6 +42,8 @@ import torch.nn.functional as F
 
 from common import save_outputs
 from rdkv.trizone import PackSpec, pack_layer
+
+ROPE = torch.cat([10000.0 ** -(torch.arange(0, 128, 2) / 128), torch.ones(1)])  # Llama's RoPE table for head_dim 128
 
 H, G, D = 8, 4, 128
 SPEC = PackSpec(v_group=32, k_group=128, k_block=16)
@@ -261,17 +263,11 @@ def main(argv=None) -> int:
             g_tz = graphed(step) if dev.type == "cuda" else None
             tg_tz = bench(g_tz) if g_tz else None
             del g_tz
-            tg_other = None
-            if dev.type == "cuda":  # the other compile-time K path, same layer, graph time
-                prev = os.environ.get("RDKV_KERNEL_FOLD_K")
-                os.environ["RDKV_KERNEL_FOLD_K"] = "0" if fused_fold else "1"
-                g_other = graphed(step)
-                tg_other = bench(g_other) if g_other else bench(step)
-                del g_other
-                if prev is None:
-                    os.environ.pop("RDKV_KERNEL_FOLD_K")
-                else:
-                    os.environ["RDKV_KERNEL_FOLD_K"] = prev
+            layer.t["rope"] = ROPE.to(dev)  # the same layer with pre-RoPE keys (graph time on a GPU)
+            g_rope = graphed(step) if dev.type == "cuda" else None
+            tg_rope = bench(g_rope) if g_rope else bench(step)
+            del g_rope
+            layer.t.pop("rope")
             t_deq = None
             if not a.no_deq:
                 def deq_sdpa():
@@ -288,7 +284,7 @@ def main(argv=None) -> int:
             rows.append(dict(context=T, batch=B, budget=budget, bytes_ratio=ratio, kept=float(layer.kept.float().mean() / T),
                              trizone_us=t_tz * 1e6, sdpa_full_us=t_full * 1e6, deq_sdpa_us=t_deq * 1e6 if t_deq else None,
                              trizone_graph_us=tg_tz * 1e6 if tg_tz else None,
-                             other_k_graph_us=tg_other * 1e6 if tg_other else None,
+                             rope_us=tg_rope * 1e6,
                              sdpa_full_graph_us=tg_full * 1e6 if tg_full else None,
                              speedup_vs_full=t_full / t_tz, speedup_vs_deq=(t_deq / t_tz) if t_deq else None,
                              speedup_graph=(tg_full / tg_tz) if tg_tz and tg_full else None,
@@ -299,7 +295,7 @@ def main(argv=None) -> int:
                   f"{r['trizone_us']:9.1f} us  full {r['sdpa_full_us']:9.1f} us  x{r['speedup_vs_full']:.2f}"
                   + (f"  deq {r['deq_sdpa_us']:9.1f} us" if t_deq else "")
                   + (f"  graph {r['trizone_graph_us']:.1f} vs {r['sdpa_full_graph_us']:.1f} us" if tg_tz and tg_full else "")
-                  + (f"  other K path graph {r['other_k_graph_us']:.1f} us" if tg_other else "")
+                  + f"  pre-RoPE {r['rope_us']:.1f} us"
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
             layer = None
             if dev.type == "cuda":
@@ -310,18 +306,18 @@ def main(argv=None) -> int:
              f"Peak bandwidth: nominal {nominal / 1e9:.0f} GB/s, measured copy {copy_bw / 1e9:.0f} GB/s." if nominal and copy_bw
              else (f"Measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (device not in the nominal table)." if copy_bw else ""),
              f"TriZone = the kernel ({setting}; K path: {'scales folded into q' if fused_fold else 'dequantize first'}); "
-             f"other K path = {'dequantize first' if fused_fold else 'scales folded into q'}. "
+             "pre-RoPE = the same layer with pre-RoPE keys, rotated at decode (graph time on a GPU). "
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
              "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph).",
              "", "| context | batch | budget | bytes/fp16 | kept | TriZone us | SDPA full us | x vs full | TriZone graph us | "
-             "SDPA graph us | x graph | other K path graph us | deq+SDPA us | x vs deq | GB/s read | of peak | of copy |",
+             "SDPA graph us | x graph | pre-RoPE us | deq+SDPA us | x vs deq | GB/s read | of peak | of copy |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = lambda x, fmt: (fmt.format(x) if x is not None else "-")  # noqa: E731
         lines.append(f"| {r['context']} | {r['batch']} | {r['budget']:.3f} | {r['bytes_ratio']:.3f} | {r['kept']:.3f} | "
                      f"{r['trizone_us']:.1f} | {r['sdpa_full_us']:.1f} | {r['speedup_vs_full']:.2f} | "
                      f"{f(r['trizone_graph_us'], '{:.1f}')} | {f(r['sdpa_full_graph_us'], '{:.1f}')} | "
-                     f"{f(r['speedup_graph'], '{:.2f}')} | {f(r['other_k_graph_us'], '{:.1f}')} | "
+                     f"{f(r['speedup_graph'], '{:.2f}')} | {r['rope_us']:.1f} | "
                      f"{f(r['deq_sdpa_us'], '{:.1f}')} | "
                      f"{f(r['speedup_vs_deq'], '{:.2f}')} | {r['bw_GBps']:.0f} | "
                      f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")

@@ -38,6 +38,7 @@ def variants(quick: bool) -> list[dict]:
         for D in (64, 128, 256):
             out.append(dict(D=D, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16))
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, vg=(64, 32, 32)))
+        out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, rope=True))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         return out
     for D, (GL, L) in itertools.product((64, 128, 256), ((4, 1), (64, 8))):
@@ -50,6 +51,7 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=D, dtype="fp16", GL=24, L=3, flags=(False, False, False), kb=16, vg=(64, 32, 16)))  # per width
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, fold=True))  # scales folded
+        out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, rope=True))  # pre-RoPE keys
     return out
 
 
@@ -74,7 +76,7 @@ def signature(fn, dtype: str, dt16: str) -> dict[str, str]:
             sig[n] = PTR_DTYPES[dt16]
         elif n == "q_ptr":
             sig[n] = PTR_DTYPES[dtype]
-        elif n in ("out_ptr", "lse_ptr"):
+        elif n in ("out_ptr", "lse_ptr", "rope_ptr"):
             sig[n] = "*fp32"
         elif n in ("scale2", "softcap"):
             sig[n] = "fp32"
@@ -131,7 +133,7 @@ def compile_one(v: dict, arch: int) -> dict:
     window, mask, softcap = v["flags"]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
     block_m = m.block_m_for(GL, dtype)
-    cfg = m.launch_config(D, block_m, dtype)
+    cfg = m.launch_config(D, block_m, dtype, v.get("rope", False))
     if v.get("kernel") == "merge":
         fn = m._trizone_merge
         consts = dict(D=D, BLOCK_D=min(D, m.MERGE_BLOCK_D), BLOCK_M=block_m)
@@ -147,7 +149,7 @@ def compile_one(v: dict, arch: int) -> dict:
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
     consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], **dict(zip(("VG2", "VG4", "VG8"), v.get("vg", (32, 32, 32)))), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
-                  FOLD_K=v.get("fold", cfg.fold_k))
+                  FOLD_K=v.get("fold", cfg.fold_k), ROPE=v.get("rope", False))
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
     fn = m._trizone_attn
     sig = signature(fn, v["dtype"], dt16)
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
         print(head)
     for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        name = "merge" if r.get("kernel") == "merge" else "fold" if r.get("fold") else "attn"
+        name = "merge" if r.get("kernel") == "merge" else "fold" if r.get("fold") else "rope" if r.get("rope") else "attn"
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:

@@ -161,6 +161,45 @@ def test_folded_k_scales_are_used_and_agree_with_dequantizing(monkeypatch):
         kmod.trizone_decode(q, layer, 128 ** -0.5)
 
 
+def rope_table(D: int, base: float = 10000.0, scaling: float = 1.25) -> torch.Tensor:
+    """A layer's RoPE table as compress stores it with prerope (rdkv.rope): D/2 inverse frequencies, then
+    the attention scaling (not 1, so a kernel that forgot it would fail)."""
+    inv = base ** -(torch.arange(0, D, 2, dtype=torch.float32) / D)
+    return torch.cat([inv, torch.tensor([scaling])]).to(DEVICE)
+
+
+# pre-RoPE keys: every head_dim, both query dtypes, width-0 K blocks (rotated means), positions past 8k
+#        seed T    D    start G  L  dtype          vmix              kmix
+ROPE_GRID = [
+    (30, 300, 64, 0, 3, 1, torch.float32, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (31, 500, 128, 8000, 4, 3, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (32, 260, 256, 100, 2, 1, torch.float32, (0, 4, 16), (0, 16)),
+    (33, 200, 64, 40, 8, 1, torch.float16, (2, 16), (0,)),  # every K channel a mean
+]
+
+
+@pytest.mark.parametrize("seed,T,D,start,G,L,dtype,vmix,kmix", ROPE_GRID, ids=[f"D{c[2]}-start{c[3]}" for c in ROPE_GRID])
+def test_pre_rope_keys_are_rotated_at_their_positions(seed, T, D, start, G, L, dtype, vmix, kmix):
+    """Keys packed before RoPE (``prerope``): the kernel rotates each block at its tokens' positions, the
+    reference rotates the dequantized keys; without the table the result differs, so rotation is tested."""
+    layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix)
+    q = query(layer, G, L, dtype)
+    plain = kmod.trizone_decode(q, layer, D ** -0.5)
+    layer.t["rope"] = rope_table(D)
+    got, _ = check(layer, q)
+    assert (got.float() - plain.float()).abs().max() > 0.05
+
+
+def test_pre_rope_prefix_with_a_post_rope_fold():
+    """A pre-RoPE prefix and a fold packed from zone C (already rotated keys, no table) in one call."""
+    layer = build(seed=34, B=1, H=2, T=300, D=64, n_c=0)
+    layer.t["rope"] = rope_table(64)
+    layer.folds = [build(seed=35, B=1, H=2, T=100, D=64, n_c=0, start=300)]
+    layer.c_start = 400
+    layer.update(*(torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE) for _ in range(2)))
+    check(layer, query(layer, 3, 2, torch.float16))
+
+
 def test_every_mix_of_width_classes():
     """All 15 non-empty subsets of V classes x a rotation of K mixes, sorted and unsorted K blocks."""
     kmixes = [(0, 2, 4, 8, 16), (2,), (16,), (0, 8), (4, 16), (2, 4, 8)]
@@ -270,11 +309,11 @@ def test_unsupported_cases_raise(case):
 
 
 # --- end to end ----------------------------------------------------------------------------------------
-def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None):
+def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None, make=None, **options):
     from conftest import tiny_llama
 
     monkeypatch.setenv("RDKV_BACKEND", backend)
-    model = tiny_llama(0).to(DEVICE)
+    model = (make or tiny_llama)(0).to(DEVICE)
     ids, nxt = ids.to(DEVICE), nxt.to(DEVICE)
     batch_mask = batch_mask.to(DEVICE) if batch_mask is not None else None
     rdkv.attach(model)
@@ -286,7 +325,7 @@ def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None):
                   position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1], device=DEVICE))
     else:
         model(ids, use_cache=True)
-    cache = rdkv.compress(model, 0.3, v_group=32, k_group=32, k_block=16)
+    cache = rdkv.compress(model, 0.3, v_group=32, k_group=32, k_block=16, **options)
     first = model(nxt, past_key_values=cache, **kw).logits  # L = nxt.shape[1] query positions at once
     tok = first[:, -1:].argmax(-1)
     if batch_mask is not None:
@@ -328,5 +367,22 @@ def test_end_to_end_left_padded_batch(monkeypatch):
     calls = _count_kernel_calls(monkeypatch)
     got = _decode_logits("triton", monkeypatch, ids, nxt, mask)
     assert len(calls) == 2 * 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_end_to_end_pre_rope_keys_triton_equals_torch(monkeypatch, arch):
+    """``prerope=True`` caches decode through the kernel: Llama, and Gemma 3 with its two RoPE bases (local and
+    global layers), sliding windows and q/k norms."""
+    from conftest import tiny_gemma3, tiny_llama
+
+    make = tiny_llama if arch == "llama" else tiny_gemma3
+    g = torch.Generator().manual_seed(4)
+    ids, nxt = torch.randint(0, 96, (1, 150), generator=g), torch.randint(0, 96, (1, 3), generator=g)
+    want = _decode_logits("torch", monkeypatch, ids, nxt, make=make, prerope=True)
+    calls = _count_kernel_calls(monkeypatch)
+    got = _decode_logits("triton", monkeypatch, ids, nxt, make=make, prerope=True)
+    assert len(calls) == 2 * {"llama": 2, "gemma3": 3}[arch]  # two decode steps, every layer through the kernel
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -78,7 +78,9 @@ def test_a_model_without_rotate_half_rope_is_refused_and_nothing_changes():
     assert rdkv.compress(model, 0.3, **SMALL).nbytes > 0
 
 
-def test_triton_decode_refuses_prerope_keys():
+def test_triton_decode_refuses_a_damaged_rope_table():
+    """The kernel rotates pre-RoPE keys itself (tests/test_kernel_decode.py); a table of the wrong size or
+    dtype would make it read past the frequencies, so it is refused."""
     pytest.importorskip("triton")
     from rdkv.kernels.trizone_decode import check
 
@@ -86,8 +88,11 @@ def test_triton_decode_refuses_prerope_keys():
     rdkv.attach(model)
     model(torch.randint(0, 96, (1, 40)), use_cache=True)
     layer = rdkv.compress(model, 0.3, prerope=True, **SMALL).layers[0]
-    with pytest.raises(rdkv.RDKVError, match="pre-RoPE"):
-        check(torch.zeros(1, 4, 1, 32), layer, None, None)
+    check(torch.zeros(1, 4, 1, 32), layer, None, None)
+    for bad in (layer.t["rope"][:-1], layer.t["rope"].double()):
+        layer.t["rope"] = bad
+        with pytest.raises(rdkv.RDKVError, match="RoPE table"):
+            check(torch.zeros(1, 4, 1, 32), layer, None, None)
 
 
 def test_rope_whose_angles_are_not_position_times_frequency_is_refused():
