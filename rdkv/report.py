@@ -43,6 +43,7 @@ class Report:
     fp16_bytes: int
     tokens: int  # prefix tokens (logical positions) per sequence
     method: str | None = None  # what compress ran
+    layer_distortion: tuple[float, ...] | None = None  # the solver's modelled distortion per layer (RDKV methods)
 
     @classmethod
     def of(cls, cache) -> "Report":
@@ -58,7 +59,18 @@ class Report:
                     row |= {f"k{w}": int((kw[b, h] == w).sum()) for w in quant.WIDTHS}
                     rows.append(row)
         batch = cache.layers[0].batch
-        return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch, cache.method)
+        return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch, cache.method,
+                   cache.layer_distortion)
+
+    def distortion_line(self) -> str | None:
+        """The modelled distortion and the three layers that hold most of it (where the budget bites)."""
+        if not self.layer_distortion:
+            return None
+        total = sum(self.layer_distortion)
+        top = sorted(range(len(self.layer_distortion)), key=lambda i: -self.layer_distortion[i])[:3]
+        return (f"modelled distortion: {total:.4g} (solver units); most in layers "
+                + ", ".join(f"{i} ({self.layer_distortion[i] / total:.0%})" for i in top) if total > 0
+                else "modelled distortion: 0 (solver units)")
 
     def totals(self) -> dict[str, int]:
         keys = [k for k in self.rows[0] if k[0] in "vk"]
@@ -75,6 +87,7 @@ class Report:
             + "   (0b = evicted)",
             "K channels by width:" + "  ".join(f"{w:>2}b {tot[f'k{w}'] / k_all:6.1%}" for w in quant.WIDTHS),
             "bytes by component: " + "  ".join(f"{k} {v:,}" for k, v in self.components.items()),
+            *([self.distortion_line()] if self.layer_distortion else []),
             "",
             "| layer | seq | head | " + " | ".join(f"V{w}" for w in quant.WIDTHS) + " | "
             + " | ".join(f"K{w}" for w in quant.WIDTHS) + " |",

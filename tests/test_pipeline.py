@@ -208,3 +208,16 @@ def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
     for a, b in zip(plain, pooled):  # quantized widths (1..4): only the token's weight changes, not its error
         assert (b.dv[..., 1:] >= a.dv[..., 1:] * (1 - 1e-6)).all()
         assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()
+
+
+def test_report_names_the_layers_that_hold_the_modelled_distortion(llama):
+    """The report's distortion line sums the cache's per-layer parts and ranks them; baselines have none."""
+    rdkv.attach(llama)
+    llama(torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2)), use_cache=True)
+    cache = rdkv.compress(llama, 0.2, **SMALL)
+    d = cache.layer_distortion
+    assert len(d) == 2 and min(d) > 0 and sum(d) == pytest.approx(cache.distortion, rel=1e-12)
+    top = max(range(2), key=lambda i: d[i])
+    line = next(x for x in str(cache.report()).splitlines() if x.startswith("modelled distortion"))
+    assert f"{cache.distortion:.4g}" in line and f"layers {top} ({d[top] / sum(d):.0%})" in line
+    assert "modelled distortion" not in str(rdkv.compress(llama, method="int4", **SMALL).report())
