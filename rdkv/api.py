@@ -459,8 +459,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
     for layer, rope in zip(layers, ropes):
         if rope is not None:
             layer.t["rope"] = rope
-    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, method=method, layer_distortion=per_layer,
-                         distortion=None if per_layer is None else sum(per_layer))
+    cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, method=method, layer_distortion=per_layer)
     if fold is not None:
         if not isinstance(fold, FoldPolicy):
             fold = FoldPolicy(every=fold, budget=budget if budget is not None else cache.nbytes / cache.fp16_bytes)

@@ -7,9 +7,9 @@ that is not the one saved (a sha256 over every tensor and the metadata, checked 
 
 File layout: tensor ``layers.{i}.{name}`` is ``cache.layers[i].t[name]`` (zone C included, so a cache
 mid-generation round-trips) and ``layers.{i}.folds.{j}.{name}`` the tensors of its j-th fold. String
-metadata: ``format``, ``format_version``, ``cache`` (JSON: fp16_bytes, budget, layer count, fold
-policy), ``layers`` (JSON list: each layer's scalars, its PackSpec, its 16-bit dtype name, the names of
-its tensors and its folds' spans and tensor names) and ``sha256``.
+metadata: ``format``, ``format_version``, ``cache`` (JSON: fp16_bytes, budget, layer count, method, modelled
+distortion per layer, fold policy), ``layers`` (JSON list: each layer's scalars, its PackSpec, its 16-bit dtype
+name, the names of its tensors and its folds' spans and tensor names) and ``sha256``.
 
 The container is written here rather than by ``safetensors.torch.save_file``: that writer emits the
 metadata in hash-map order, which differs from run to run, and equal caches must give equal bytes. The
@@ -100,8 +100,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     policy = cache.layers[0].fold if cache.layers else None
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
-                                 "distortion": cache.distortion, "method": cache.method,
-                                 "layer_distortion": cache.layer_distortion,
+                                 "method": cache.method, "layer_distortion": cache.layer_distortion,
                                  "fold": None if policy is None else asdict(policy)}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
@@ -180,8 +179,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
             ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"].to(device) for n in f["tensors"]}
             layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
         out.append(layer)
-    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], distortion=top.get("distortion"),
-                         method=top.get("method"), layer_distortion=top.get("layer_distortion") and tuple(top["layer_distortion"]))
+    per_layer = top.get("layer_distortion")  # files before 2026-11-30 held only the total, which is not kept
+    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], method=top.get("method"),
+                         layer_distortion=None if per_layer is None else tuple(per_layer))
     if top.get("fold"):
         cache.set_fold(FoldPolicy(**top["fold"]))
     return cache

@@ -62,15 +62,15 @@ class Report:
         return cls(rows, comps, cache.nbytes, cache.fp16_bytes, cache.layers[0].prefix_len * batch, cache.method,
                    cache.layer_distortion)
 
-    def distortion_line(self) -> str | None:
-        """The modelled distortion and the three layers that hold most of it (where the budget bites)."""
-        if not self.layer_distortion:
-            return None
-        total = sum(self.layer_distortion)
-        top = sorted(range(len(self.layer_distortion)), key=lambda i: -self.layer_distortion[i])[:3]
-        return (f"modelled distortion: {total:.4g} (solver units); most in layers "
-                + ", ".join(f"{i} ({self.layer_distortion[i] / total:.0%})" for i in top) if total > 0
-                else "modelled distortion: 0 (solver units)")
+    def distortion_lines(self) -> list[str]:
+        """The modelled distortion and the three layers that hold most of it (where the budget bites); none
+        for baselines."""
+        d = self.layer_distortion
+        if not d:
+            return []
+        top = sorted(range(len(d)), key=lambda i: -d[i])[:3]
+        most = "; most in layers " + ", ".join(f"{i} ({d[i] / sum(d):.0%})" for i in top) if sum(d) > 0 else ""
+        return [f"modelled distortion: {sum(d):.4g} (solver units){most}"]
 
     def totals(self) -> dict[str, int]:
         keys = [k for k in self.rows[0] if k[0] in "vk"]
@@ -87,7 +87,7 @@ class Report:
             + "   (0b = evicted)",
             "K channels by width:" + "  ".join(f"{w:>2}b {tot[f'k{w}'] / k_all:6.1%}" for w in quant.WIDTHS),
             "bytes by component: " + "  ".join(f"{k} {v:,}" for k, v in self.components.items()),
-            *([self.distortion_line()] if self.layer_distortion else []),
+            *self.distortion_lines(),
             "",
             "| layer | seq | head | " + " | ".join(f"V{w}" for w in quant.WIDTHS) + " | "
             + " | ".join(f"K{w}" for w in quant.WIDTHS) + " |",

@@ -305,14 +305,18 @@ class TriZoneCache(Cache):
     """A transformers ``Cache`` whose layers are :class:`TriZoneLayer`."""
 
     def __init__(self, layers: list[TriZoneLayer], fp16_bytes: int, budget: float | None = None,
-                 distortion: float | None = None, method: str | None = None,
-                 layer_distortion: tuple[float, ...] | None = None):
+                 method: str | None = None, layer_distortion: tuple[float, ...] | None = None):
         super().__init__(layers=layers)
         self.fp16_bytes = fp16_bytes  # what the compressed prefix takes as a plain fp16 cache
         self.budget = budget
-        self.distortion = distortion  # the solver's modelled distortion (rdkv.calibrate), None for baselines
-        self.layer_distortion = layer_distortion  # its parts, one per layer (their sum is ``distortion``)
         self.method = method  # the method compress ran ("auto" resolved)
+        # the solver's modelled distortion per layer (rdkv.calibrate), None for baselines
+        self.layer_distortion = layer_distortion
+
+    @property
+    def distortion(self) -> float | None:
+        """The solver's modelled distortion (:func:`rdkv.calibrate.modelled_distortion`), None for baselines."""
+        return None if self.layer_distortion is None else sum(self.layer_distortion)
 
     def set_fold(self, policy) -> None:
         """Fold zone C under ``policy`` (a :class:`rdkv.fold.FoldPolicy`) from the next decode step on;
