@@ -43,9 +43,8 @@ import torch.nn.functional as F
 from common import save_outputs
 from rdkv.trizone import PackSpec, pack_layer
 
-ROPE = torch.cat([10000.0 ** -(torch.arange(0, 128, 2) / 128), torch.ones(1)])  # Llama's RoPE table for head_dim 128
-
 H, G, D = 8, 4, 128
+ROPE = torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)])  # a Llama RoPE table (rdkv.rope layout)
 SPEC = PackSpec(v_group=32, k_group=128, k_block=16)
 FRESH = 16  # zone C tokens
 # nominal HBM bandwidth (bytes/s) by device-name substring, first match wins
