@@ -171,7 +171,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
     """
     from .decode import backend  # here, not at the top: rdkv.decode imports rdkv.trizone, which imports this
 
-    if backend(x.device) == "torch":
+    if backend(x.device) != "triton":
         return quantize_pack_torch(x, bits, group, axis, segments)
     try:
         from .kernels.quantize_pack import quantize_pack as triton_quantize_pack

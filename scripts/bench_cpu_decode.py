@@ -1,0 +1,103 @@
+"""Milliseconds per generated token on a CPU: the full cache against rdkv's CPU decode and its oracle.
+
+    python scripts/bench_cpu_decode.py --model smollm2-135m --contexts 1024 4096 8192
+    python scripts/bench_cpu_decode.py --model gemma3-270m --contexts 1024 4096 16384
+
+One prefill per context (GPL-3 text, fp32 model), compressed at each budget; then greedy ``generate`` of
+``--tokens`` tokens from the same prefill through: the full cache (transformers' own, SDPA attention),
+rdkv's vectorised CPU decode (``RDKV_BACKEND=torch``, the default on CPU) and the pure-torch oracle
+(``RDKV_BACKEND=reference``). Every row is the best of ``--repeats`` runs, taken in turns so drift in the
+machine's speed hits every row alike; ``--load`` repeats the measurement while another process runs a
+2-thread matmul, as a shared machine does. Ratios are against the full cache measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import rdkv
+
+LOAD = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nwhile True:\n    a @ a\n"
+
+
+def text_ids(tok, n: int) -> torch.Tensor:
+    text = Path("/usr/share/common-licenses/GPL-3")
+    body = text.read_text() if text.exists() else rdkv.models.retrieval_prompt(n + 100, 0.5, tok)["context"]
+    ids = tok(body, return_tensors="pt").input_ids
+    return ids.repeat(1, n // ids.shape[1] + 1)[:, :n]
+
+
+def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
+    cache = copy.deepcopy(cache)
+    t = time.perf_counter()
+    model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens,
+                   do_sample=False)
+    return (time.perf_counter() - t) * 1e3 / tokens
+
+
+def measure(model, ids, full, caches: dict, tokens: int, repeats: int) -> dict[str, float]:
+    """Best-of-``repeats`` ms per token of every path, in turns."""
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        rdkv.detach(model)  # the full cache runs transformers' own attention
+        best["full"] = min(best.get("full", 1e9), ms_per_token(model, ids, full, tokens))
+        rdkv.attach(model)
+        for backend in ("torch", "reference"):
+            os.environ["RDKV_BACKEND"] = backend
+            for budget, cache in caches.items():
+                key = f"{backend} {budget:g}"
+                best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
+        os.environ.pop("RDKV_BACKEND")
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25])
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--load", action="store_true", help="also measure beside a competing 2-thread matmul")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    print(f"{args.model} fp32, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
+          f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; greedy generate of {args.tokens} tokens, "
+          f"best of {args.repeats}\n")
+    cols = ["full"] + [f"{b} {x:g}" for b in ("torch", "reference") for x in args.budgets]
+    print("| context | machine | full cache ms/token | " + " | ".join(
+        f"rdkv {x:.0%} ({'CPU decode' if b == 'torch' else 'oracle'})" for b in ("torch", "reference") for x in args.budgets) + " |")
+    print("|---" * (len(cols) + 2) + "|")
+    for n in args.contexts:
+        ids = text_ids(tok, n)
+        rdkv.attach(model)
+        full = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        caches = {b: rdkv.compress(model, b) for b in args.budgets}
+        rdkv.release(model)
+        for loaded in (False, True) if args.load else (False,):
+            load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
+            try:
+                if load:
+                    time.sleep(2)
+                best = measure(model, ids, full, caches, args.tokens, args.repeats)
+            finally:
+                if load:
+                    load.kill()
+                    load.wait()
+            cells = [f"{best['full']:.0f}"] + [f"{best[c]:.0f} ({best[c] / best['full']:.2f}x)" for c in cols[1:]]
+            print(f"| {n:,} | {'2-thread matmul beside' if loaded else 'idle'} | " + " | ".join(cells) + " |", flush=True)
+        del full, caches
+        rdkv.detach(model)
+
+
+if __name__ == "__main__":
+    main()
