@@ -13,12 +13,13 @@ from .attention import RDKVState, rdkv_attention
 from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_tables
 from .methods import AUTO, BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, SNAP_WINDOW, LayerInput
 from .calibrate import layer_distortion, modelled_distortion
-from .errors import RDKVError
+from .errors import BudgetInfeasible, NotRecorded, RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
 from .trizone import PackSpec, TriZoneCache, pack_choice
 from .weights import FORMS, layer_sums, lifetime, per_visible, window_queries
 from .solvers.allocate import allocate
+from .solvers.mckp import Infeasible
 
 NAME = "rdkv"
 DEFAULT_WINDOW = 64  # window queries compress weighs by default (attach records 256; rdkv-w256 uses them all)
@@ -197,14 +198,14 @@ def release(model: torch.nn.Module) -> None:
 def _attached(model: torch.nn.Module) -> RDKVState:
     state = getattr(model, "_rdkv_state", None)
     if state is None:
-        raise RDKVError("model is not attached: call rdkv.attach(model) before the prefill, then compress")
+        raise NotRecorded("model is not attached: call rdkv.attach(model) before the prefill, then compress")
     return state
 
 
 def _state(model: torch.nn.Module) -> RDKVState:
     state = _attached(model)
     if not state.layers:
-        raise RDKVError("no prefill seen since attach: run model(input_ids, use_cache=True) first, then compress")
+        raise NotRecorded("no prefill seen since attach: run model(input_ids, use_cache=True) first, then compress")
     return state
 
 
@@ -383,7 +384,7 @@ def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, pa
     def ok(b: float) -> bool:
         try:
             return modelled_distortion(tables, *allocate(tables, [b * f for f in fp16], scope, passes)) <= target
-        except ValueError:  # below the smallest feasible budget
+        except Infeasible:  # below the smallest feasible budget
             return False
 
     lo, hi = 0.0, 1.0
@@ -452,8 +453,8 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             budgets = [budget * f if budget is not None else float("inf") for f in fp16]
             v_opt, k_opt = BASELINES[method](inputs, budgets, fixed, spec.k_block)
             perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]
-    except ValueError as e:
-        raise RDKVError(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
+    except Infeasible as e:
+        raise BudgetInfeasible(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
     layers = [pack_choice(k, v, start, vo, ko, perm, spec, _dtype16(model), st.sliding_window, st.seen)
               for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms)]
     for layer, rope in zip(layers, ropes):
@@ -466,7 +467,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
         cache.set_fold(fold)
     if budget is not None and cache.nbytes > budget * cache.fp16_bytes:
         if method in FIXED_RATE:
-            raise RDKVError(f"{method} needs {cache.nbytes / cache.fp16_bytes:.4f} of the fp16 bytes, more than the "
+            raise BudgetInfeasible(f"{method} needs {cache.nbytes / cache.fp16_bytes:.4f} of the fp16 bytes, more than the "
                             f"budget {budget}; raise the budget or pass budget=None")
         raise AssertionError(f"rdkv bug: packed {cache.nbytes} B exceeds budget {budget * cache.fp16_bytes:.0f} B")
     return cache

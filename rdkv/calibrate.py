@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import quant
-from .errors import RDKVError
+from .errors import BudgetInfeasible, RDKVError
 from .trizone import TriZoneCache
 
 
@@ -146,9 +146,7 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
             for key, b, kw in calls:
                 try:
                     cache = compress(model, b, **kw)
-                except RDKVError as e:
-                    if "too small" not in str(e):
-                        raise
+                except BudgetInfeasible:
                     continue
                 got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
             ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)

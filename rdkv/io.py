@@ -27,12 +27,12 @@ from typing import IO
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import RDKVError
+from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
 from .trizone import PackSpec, TriZoneCache, TriZoneLayer
 
 FORMAT = "rdkv.trizone"
-VERSION = 1
+VERSION = 2  # 2: per-layer modelled distortion, a V group size per width
 _DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
            torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
            torch.bool: "BOOL"}
@@ -122,8 +122,8 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZoneCache:
     """Read a cache written by :func:`save`, verify it, and place its tensors on ``device``.
 
-    Raises :class:`rdkv.RDKVError` saying what is wrong with the file (missing, truncated, not a cache,
-    a newer format, missing tensors, or a checksum mismatch) rather than returning a cache that could
+    Raises :class:`rdkv.RDKVError` for a missing path and :class:`rdkv.CorruptFile` saying what is wrong
+    with the file (truncated, not a cache, another format version, missing tensors, or a checksum mismatch) rather than returning a cache that could
     decode wrong tokens.
     """
     path = os.fspath(path)
@@ -134,19 +134,20 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
         with safe_open(path, framework="pt", device="cpu") as f:
             meta, names = f.metadata() or {}, set(f.keys())
     except (SafetensorError, OSError) as e:
-        raise RDKVError(f"{path!r} is not a complete safetensors file ({e}); it is truncated or not an rdkv "
+        raise CorruptFile(f"{path!r} is not a complete safetensors file ({e}); it is truncated or not an rdkv "
                         "cache: save the cache again with rdkv.save") from e
     if meta.get("format") != FORMAT:
-        raise RDKVError(f"{path!r} is a safetensors file but not an rdkv cache (format {meta.get('format')!r}, "
+        raise CorruptFile(f"{path!r} is a safetensors file but not an rdkv cache (format {meta.get('format')!r}, "
                         f"expected {FORMAT!r}); load files written by rdkv.save")
     try:
         version = int(meta.get("format_version", ""))
     except ValueError:
         version = None
     if version != VERSION:
-        newer = version is not None and version > VERSION
-        hint = "it was written by a newer rdkv: upgrade rdkv to read it" if newer else "that version is unknown"
-        raise RDKVError(f"{path!r} has rdkv cache format version {meta.get('format_version')!r} and this rdkv reads "
+        hint = ("it was written by a newer rdkv: upgrade rdkv to read it" if version is not None and version > VERSION
+                else "an older rdkv wrote it, in a layout this rdkv no longer reads" if version is not None and version >= 1
+                else "that version is unknown")
+        raise CorruptFile(f"{path!r} has rdkv cache format version {meta.get('format_version')!r} and this rdkv reads "
                         f"version {VERSION}; {hint}, or compress the prefix again")
     try:
         top, layers = json.loads(meta["cache"]), json.loads(meta["layers"])
@@ -156,20 +157,20 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
         if top["layers"] != len(layers):
             raise ValueError(f"{top['layers']} layers announced, {len(layers)} described")
     except (KeyError, TypeError, ValueError) as e:
-        raise RDKVError(f"{path!r}: the rdkv metadata is malformed ({e}); the file is damaged, save it again") from e
+        raise CorruptFile(f"{path!r}: the rdkv metadata is malformed ({e}); the file is damaged, save it again") from e
     if names != want:
         missing, extra = sorted(want - names), sorted(names - want)
-        raise RDKVError(f"{path!r} does not hold the tensors its metadata lists (missing {missing[:5]}"
+        raise CorruptFile(f"{path!r} does not hold the tensors its metadata lists (missing {missing[:5]}"
                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}); the file is damaged, save it again")
     with safe_open(path, framework="pt", device="cpu") as f:
         tensors = {n: f.get_tensor(n) for n in sorted(names)}
     if _checksum(tensors, meta) != meta.get("sha256"):
-        raise RDKVError(f"{path!r} is corrupted: its sha256 checksum does not match its contents; "
+        raise CorruptFile(f"{path!r} is corrupted: its sha256 checksum does not match its contents; "
                         "save the cache again from the original (or compress the prefix again)")
     out = []
     for i, lay in enumerate(layers):
         if lay["dtype16"] not in _DTYPE16:
-            raise RDKVError(f"{path!r} layer {i}: unknown 16-bit dtype {lay['dtype16']!r}")
+            raise CorruptFile(f"{path!r} layer {i}: unknown 16-bit dtype {lay['dtype16']!r}")
         shape = dict(batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], spec=PackSpec(**lay["spec"]),
                      sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]])
         t = {n: tensors[f"layers.{i}.{n}"].to(device) for n in lay["tensors"]}
@@ -179,7 +180,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
             ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"].to(device) for n in f["tensors"]}
             layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
         out.append(layer)
-    per_layer = top.get("layer_distortion")  # files before 2026-11-30 held only the total, which is not kept
+    per_layer = top.get("layer_distortion")
     cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], method=top.get("method"),
                          layer_distortion=None if per_layer is None else tuple(per_layer))
     if top.get("fold"):

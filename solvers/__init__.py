@@ -1,3 +1,3 @@
-from .mckp import exact, lagrangian
+from .mckp import Infeasible, exact, lagrangian
 
-__all__ = ["lagrangian", "exact"]
+__all__ = ["Infeasible", "lagrangian", "exact"]

@@ -38,6 +38,10 @@ def _prepare(D: Array, R: Array) -> tuple[torch.Tensor, torch.Tensor, Callable[[
     return D, R, out
 
 
+class Infeasible(ValueError):
+    """Not even the cheapest allowed option of every unit fits the budget."""
+
+
 def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
     """Raise if not even the cheapest allowed option per unit fits the budget."""
     budget = float(budget)
@@ -45,7 +49,7 @@ def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
         raise ValueError("budget must not be NaN")
     min_cost = torch.where(D.isfinite(), R, math.inf).amin(1).sum(dtype=torch.float64).item()
     if min_cost > budget:
-        raise ValueError(f"infeasible: the minimum achievable cost is {min_cost:.12g} bytes but the budget is "
+        raise Infeasible(f"infeasible: the minimum achievable cost is {min_cost:.12g} bytes but the budget is "
                          f"{budget:.12g}; raise the budget to at least {min_cost:.12g}")
     return budget
 

@@ -131,10 +131,11 @@ def test_edited_metadata_fails_the_checksum(saved):
         load(saved)
 
 
-@pytest.mark.parametrize("version, msg", [("2", "newer rdkv: upgrade"), ("0", "version is unknown"), ("x", "version is unknown")])
+@pytest.mark.parametrize("version, msg", [("3", "newer rdkv: upgrade"), ("1", "older rdkv"), ("0", "version is unknown"),
+                                          ("x", "version is unknown")])
 def test_other_format_versions_are_refused(saved, version, msg):
     rewrite(saved, format_version=version)
-    with pytest.raises(rdkv.RDKVError, match=msg):
+    with pytest.raises(rdkv.CorruptFile, match=msg):
         load(saved)
 
 

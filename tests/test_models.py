@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+import transformers
 
 import rdkv.models as models
 
@@ -20,8 +21,9 @@ def test_conversion_then_fast_reload(tmp_path, monkeypatch):
     start = time.perf_counter()
     models.load("smollm2-135m")
     converted = time.perf_counter() - start
-    folder = tmp_path / "smollm2-135m"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2-135m"]  # no partial folder left
+    folder = models.converted_dir("smollm2-135m")
+    assert folder.parent == tmp_path and transformers.__version__ in folder.name
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no partial folder left
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
 
@@ -103,3 +105,14 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         models.load("smollm2-135m")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tokenizer_that_does_not_round_trip_is_refused(smollm, tmp_path):
+    """A converted folder whose tokenizer another transformers version wrote can load and tokenize every
+    space as a special token, silently; load refuses such a folder and says what to delete."""
+    model, tokenizer = smollm
+    models.check_tokenizer(tokenizer, tmp_path)  # the real one round-trips
+    broken = type(tokenizer).from_pretrained(models.converted_dir("smollm2-135m"))
+    broken.decode = lambda ids, **kw: tokenizer.decode(ids).replace(" ", "<|endoftext|>")
+    with pytest.raises(models.RDKVError, match="does not round-trip.*delete that folder"):
+        models.check_tokenizer(broken, tmp_path)

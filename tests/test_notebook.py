@@ -157,7 +157,7 @@ def test_notebook_is_committed_without_outputs():
 
 
 def _smollm2_available() -> bool:
-    return ((rdkv.models.cache_dir() / "smollm2-135m" / "config.json").is_file()
+    return ((rdkv.models.converted_dir("smollm2-135m") / "config.json").is_file()
             or importlib.util.find_spec(rdkv.models.MODELS["smollm2-135m"]["module"]) is not None)
 
 
