@@ -1,6 +1,6 @@
 """The token-weight pass in Triton: attention column sums without a T x T tensor.
 
-Computes what :func:`rdkv.attention.attend` accumulates into :class:`~rdkv.attention.AttentionSums`
+Computes what :func:`rdkv.dense.attend` accumulates into :class:`~rdkv.dense.AttentionSums`
 (without the attention output): for queries q [B, Hq, M, D] over keys k [B, H, T, D] (GQA: ``Hq = H *
 G``), with causality from absolute positions, an optional sliding window, softcap and key-validity mask,
 
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rdkv.attention import AttentionSums
+from rdkv.dense import AttentionSums
 from rdkv.errors import RDKVError
 
 LOG2E = 1.4426950408889634
@@ -216,7 +216,7 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos:
     """AttentionSums of queries q [B, Hq, M, D] (absolute positions q_pos [M]) over keys k [B, H, T, D]
     (positions k_pos [T]); ``key_mask`` [B or 1, T] bool marks keys that may be attended at all.
 
-    Equal, up to fp32 summation order, to the sums of :func:`rdkv.attention.attend` called with
+    Equal, up to fp32 summation order, to the sums of :func:`rdkv.dense.attend` called with
     ``mask = key_mask[:, None, None, :]`` broadcast over the queries (``rdkv.weights``' window form).
     """
     check(q, k, q_pos, k_pos, window, softcap, key_mask)

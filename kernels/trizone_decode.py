@@ -184,7 +184,7 @@ LOG2E_C = tl.constexpr(LOG2E)
 def _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk,
              HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
     """Which (query row, key) pairs may attend: causal by position, sliding window, optional bool mask
-    read at the key's absolute position (the kernel's twin of rdkv.attention.allowed_keys)."""
+    read at the key's absolute position (the kernel's twin of rdkv.dense.allowed_keys)."""
     ok = tok_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= q_pos[:, None])
     if HAS_WINDOW:
         ok = ok & (q_pos[:, None] - kpos[None, :] < window)

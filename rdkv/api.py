@@ -9,10 +9,11 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import quant
-from .attention import RDKVState, rdkv_attention
-from .distortion import EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_tables
+from .attention import rdkv_attention
+from .record import RDKVState
+from .distortion import (EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_distortion, layer_tables,
+                         modelled_distortion)
 from .methods import AUTO, BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, SNAP_WINDOW, LayerInput
-from .calibrate import layer_distortion, modelled_distortion
 from .errors import BudgetInfeasible, NotRecorded, RDKVError
 from .fold import FoldPolicy
 from .rope import pair_mean, rope_bytes, rope_table, rotate
@@ -276,7 +277,9 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
                      cfg.q_floor)
     t.fixed = _fixed(k.shape[1], k.shape[-1], cfg)
     pos = torch.arange(start, st.seen, device=k.device)
-    first = present.cumsum(-1) <= cfg.sinks  # sinks count from the first real (unpadded) token
+    # sinks are the sequence's first real (unpadded) tokens: a sliding-window layer that no longer holds them
+    # protects none, not the oldest tokens it holds, which are about to leave its window
+    first = (st.valid.cumsum(-1)[:, None, start:] <= cfg.sinks).expand_as(present)
     protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
     t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
     if cfg.evict_jointly:
@@ -305,6 +308,19 @@ def resolve_method(model: torch.nn.Module, method: str, overrides: dict) -> tupl
     return name, {**preset, **overrides}
 
 
+def priced_options(model: torch.nn.Module, method: str, config: CompressConfig | None, overrides: dict) -> dict:
+    """The options a compress call with these arguments is priced with: the method's preset, then the prior
+    ``rdkv.tune_prior`` stored on ``model`` (RDKV methods without a config or a prior of their own), then the
+    call's own options."""
+    if method not in RDKV_VARIANTS:
+        return {**BASELINE_SPECS.get(method, {}), **overrides}
+    overrides = {**RDKV_VARIANTS[method], **overrides}
+    tuned = getattr(model, "_rdkv_prior", None)
+    if tuned is not None and config is None and not {"floor", "surprisal"} & set(overrides):
+        overrides = {"floor": tuned.floor, "surprisal": tuned.surprisal, **overrides}
+    return overrides
+
+
 def options_key(method: str, config: CompressConfig | None, overrides: dict) -> tuple:
     """What makes two compress calls price alike (a calibration is valid for one key only): the method, the
     config and the options with the method's preset merged in, so ``auto`` and the preset it names agree."""
@@ -329,14 +345,7 @@ def _prepare(model, method: str, config: CompressConfig | None, overrides: dict)
     tables (RDKV variants only). Returns (config, held, fp16 bytes, tables, RoPE tables or Nones)."""
     if method not in METHODS:
         raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if method in RDKV_VARIANTS:
-        overrides = {**RDKV_VARIANTS[method], **overrides}
-        tuned = getattr(model, "_rdkv_prior", None)  # rdkv.tune_prior's choice, unless the call sets a prior
-        if tuned is not None and config is None and not {"floor", "surprisal"} & set(overrides):
-            overrides = {"floor": tuned.floor, "surprisal": tuned.surprisal, **overrides}
-    else:
-        overrides = {**BASELINE_SPECS.get(method, {}), **overrides}
-    cfg = _config(config, overrides)
+    cfg = _config(config, priced_options(model, method, config, overrides))
     state = _state(model)
     for name in ("window", "window_sliding"):
         w = getattr(cfg, name)
@@ -430,7 +439,7 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
         cal = getattr(model, "_rdkv_calibration", None)
         if cal is None:
             raise RDKVError("error= needs a calibration of this model: call rdkv.calibrate(model, ids) once first")
-        if cal.key != options_key(method, config, overrides):
+        if cal.key != options_key(method, config, priced_options(model, method, config, overrides)):
             raise RDKVError(f"the model was calibrated for method {cal.method!r} with other options than this call's "
                             f"({method!r}, {overrides or 'no options'}): calibrate with rdkv.calibrate(model, ids, "
                             f"method={method!r}, ...) and the same options")

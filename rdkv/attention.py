@@ -7,128 +7,13 @@ and its square, and squared query norms per channel. On a compressed cache
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-
 import torch
 
+from .decode import trizone_decode
+from .dense import AttentionSums, allowed_keys, attend
 from .errors import RDKVError
-
-CHUNK_ELEMENTS = 1 << 24  # score elements per query chunk (64 MB in fp32)
-
-
-@dataclass
-class AttentionSums:
-    """Sums over a set of queries, per (batch, kv head): the statistics behind token and channel weights."""
-
-    mass: torch.Tensor  # [B, H, T] sum over queries (and grouped heads) of the attention probability on each key
-    mass2: torch.Tensor  # [B, H, T] the same sum of squared probabilities (second-order error weights)
-    q2: torch.Tensor  # [B, H, D] sum of squared query components
-    nq: torch.Tensor  # [B] number of (query, grouped-head) pairs that attended to something
-
-
-@dataclass
-class LayerStats:
-    """What one layer's prefill leaves behind for :func:`rdkv.compress`."""
-
-    key: torch.Tensor  # [B, H, Tk, D] the cache's own tensors (a reference, not a copy)
-    value: torch.Tensor
-    seen: int  # logical length: tokens this layer's cache has seen
-    sums: AttentionSums | None  # over every prefill query (only if attached with all_queries=True)
-    valid: torch.Tensor  # [B, seen] bool: attended by some query (False = padding)
-    window_q: torch.Tensor  # [B, Hq, <=W, D] the last W queries, for the observation-window weights
-    scaling: float
-    sliding_window: int | None
-    softcap: float | None
-
-    @property
-    def start(self) -> int:
-        """Absolute position of ``key[..., 0, :]`` (sliding-window layers keep only their window)."""
-        return self.seen - self.key.shape[-2]
-
-
-@dataclass
-class RDKVState:
-    """Per-model state shared by every attention module of an attached model."""
-
-    window: int = 256
-    all_queries: bool = False
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    ids: torch.Tensor | None = None  # [B, seen] token ids of the prefill (for surprisal)
-    hidden: torch.Tensor | None = None  # [B, seen, d_model] final hidden states of the prefill
-    recording: bool = False  # the current forward runs on an ordinary cache
-    surprisal: torch.Tensor | None = None  # computed from ids/hidden on first use
-
-    @contextmanager
-    def kept(self) -> Iterator[None]:
-        """Run forwards that re-prefill or extend the record (calibration, diagnostics), then put the
-        user's record of their last prefill back, whatever happened."""
-        saved = (dict(self.layers), self.ids, self.hidden, self.surprisal)
-        try:
-            yield
-        finally:
-            self.layers.clear()
-            self.layers.update(saved[0])
-            self.ids, self.hidden, self.surprisal = saved[1:]
-
-
-def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (and sliding-window) visibility [..., q, k] from absolute positions."""
-    ok = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
-    if window is not None:
-        ok &= q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2) < window
-    return ok
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_pos: torch.Tensor,
-    scaling: float,
-    window: int | None = None,
-    softcap: float | None = None,
-    mask: torch.Tensor | None = None,
-    elements: int = CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, AttentionSums]:
-    """Exact attention of q [B, Hq, q, D] over k, v [B, H, Tk, D] plus the weight statistics.
-
-    Runs in query chunks so the score tensor never exceeds ``elements``. ``mask`` is an optional
-    bool [B, 1, q, Tk] (True = may attend) combined with causality from the positions. Queries that may
-    attend to nothing (left padding) get a zero output and contribute nothing to the sums.
-    """
-    B, Hq, L, D = q.shape
-    H, Tk = k.shape[1], k.shape[2]
-    G = Hq // H
-    kf, vf = k.float(), v.float()
-    out = q.new_empty(B, Hq, L, D)
-    sums = AttentionSums(
-        mass=kf.new_zeros(B, H, Tk), mass2=kf.new_zeros(B, H, Tk), q2=kf.new_zeros(B, H, D), nq=kf.new_zeros(B))
-    chunk = max(1, elements // max(1, B * Hq * Tk))
-    for a in range(0, L, chunk):
-        qc = q[:, :, a : a + chunk].float().unflatten(1, (H, G))  # [B, H, G, c, D]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scaling
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        ok = allowed_keys(q_pos[a : a + chunk], k_pos, window)  # [c, Tk]
-        ok = ok.expand(B, 1, 1, *ok.shape)
-        if mask is not None:
-            ok = ok & mask[:, None, :, a : a + chunk]
-        s = s.masked_fill(~ok, float("-inf"))
-        m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-        p = (s - m).exp()
-        p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-        o = torch.einsum("bhgqk,bhkd->bhgqd", p, vf)
-        out[:, :, a : a + chunk] = o.flatten(1, 2).to(out.dtype)
-        live = ok.any(-1)  # [B, 1|H, 1|G, c] query attends to something
-        live = live.expand(B, H, G, live.shape[-1])
-        sums.mass += p.sum((2, 3))
-        sums.mass2 += p.square().sum((2, 3))
-        sums.q2 += (qc.square() * live.unsqueeze(-1)).sum((2, 3))
-        sums.nq += live[:, 0].sum((1, 2))
-    return out, sums
+from .record import LayerStats, RDKVState
+from .trizone import TriZoneLayer
 
 
 def _sdpa(q, k, v, q_pos, k_pos, scaling, window, mask) -> torch.Tensor:
@@ -203,19 +88,10 @@ def rdkv_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: (out [B, q, Hq, D], None)."""
-    from .trizone import TriZoneLayer
-
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, TriZoneLayer):
-        from .decode import trizone_decode
-
-        out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask)
-        if key.fold is not None:
-            from .fold import observe
-
-            observe(key, query, scaling, softcap)
-        return out.transpose(1, 2), None
+        return trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask).transpose(1, 2), None
     state = getattr(module, "_rdkv_state", None)
     if state is None:
         raise RDKVError("this attention module has no rdkv state: call rdkv.attach(model) instead of selecting 'rdkv' by hand")

@@ -2,7 +2,7 @@
 KL divergence from the full cache's next-token distribution is at most ``eps``.
 
 The solver's objective is a modelled distortion: the expected squared attention-output error summed
-over layers, per weight query (:func:`modelled_distortion`). It is not a KL. :func:`calibrate` maps
+over layers, per weight query (:func:`rdkv.distortion.modelled_distortion`). It is not a KL. :func:`calibrate` maps
 one to the other on the model itself: it prefills each calibration text, compresses it at several
 budgets, teacher-forces the text's continuation through each cache, and fits ``log KL = log a + p log D``:
 the slope p by least squares over all points, the intercept conservatively, so that no calibration point
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant
+from .api import compress, options_key, priced_options, resolve_method
 from .errors import BudgetInfeasible, RDKVError
 from .trizone import TriZoneCache
 
@@ -44,44 +44,10 @@ class Calibration:
         return min((kl / self.a) ** (1 / self.p), max(d for d, _ in self.points))
 
 
-def layer_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> list[float]:
-    """Each layer's solver distortion for the chosen widths, per weight query, averaged over sequences."""
-    out = []
-    for t, vo, ko in zip(tables, v_opt, k_opt):
-        dv = t.dv.gather(-1, vo.unsqueeze(-1)).squeeze(-1).masked_fill(~t.present, 0.0)
-        dk = t.dk.gather(-1, ko.unsqueeze(-1)).squeeze(-1)
-        out.append(float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean()))
-    return out
-
-
-def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
-    """Sum over layers of the solver's distortion for the chosen widths, per weight query and sequence."""
-    return sum(layer_distortion(tables, v_opt, k_opt))
-
-
-def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Option indices of a compressed cache's widths, in the tables' units (positions, channel blocks)."""
-    v_opt, k_opt = [], []
-    for i, (layer, t) in enumerate(zip(cache.layers, tables)):
-        vw = layer.v_widths().to(t.dv.device)
-        if vw.shape != t.present.shape:
-            raise RDKVError(f"layer {i}: the cache holds {tuple(vw.shape)} positions, the last prefill "
-                            f"{tuple(t.present.shape)}: pass a cache compressed from the model's last prefill")
-        kw = layer.k_widths().to(t.dk.device).gather(-1, t.perm).unflatten(-1, (-1, t.spec.k_block))
-        if (kw != kw[..., :1]).any():
-            raise RDKVError(f"layer {i}: the cache's K blocks are not the allocator's blocks (a baseline, or another "
-                            "prefill); its modelled distortion is not defined")
-        v_opt.append(quant.option_of(vw))
-        k_opt.append(quant.option_of(kw[..., 0]))
-    return v_opt, k_opt
-
-
 def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | None = None) -> Calibration:
     """Line through (log D, log KL): least-squares slope, intercept raised until every point is on or below
     it. Needs two points with distinct D and KL > 0. ``key``: the compress options the points came from
     (default: ``method`` with no options)."""
-    from .api import options_key
-
     pts = [(d, k) for d, k in points if d > 0 and k > 0]
     if len({d for d, _ in pts}) < 2:
         raise RDKVError("calibration needs at least two budgets with different, non-zero distortion and KL; "
@@ -135,8 +101,6 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
     """For each text: prefill its first ``prefix`` fraction, then for each (key, budget, compress kwargs)
     compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
     Budgets too small for a text are skipped. The user's record of their last prefill is restored."""
-    from .api import compress
-
     out = []
     with model._rdkv_state.kept():
         for ids in texts:
@@ -163,13 +127,12 @@ def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], 
 
     The attached model's record of the user's last prefill is kept: it is restored afterwards.
     """
-    from .api import options_key, resolve_method
-
     texts = _check_texts(model, texts, prefix, "calibrate")
     method, options = resolve_method(model, method, options)
     config = options.pop("config", None)
     pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, config=config, **options)) for b in budgets])
-    cal = fit([(d, kl) for _, d, kl in pairs], method, options_key(method, config, options))
+    key = options_key(method, config, priced_options(model, method, config, options))
+    cal = fit([(d, kl) for _, d, kl in pairs], method, key)
     model._rdkv_calibration = cal
     return cal
 
@@ -235,10 +198,8 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     to geometric mean 1. The default 1/2 hedges a one-point estimate: on Gemma 3 it gave the lowest
     perplexity KL of any allocation in all three domains. Gains do not carry across kinds of text, though:
     fitted on prose and code, every global allocation doubled SmolLM2's KL on legal text
-    (docs/experiments.md, 2026-11-30 third session). The user's prefill record is restored.
+    (docs/experiments.md, "sliding-window lifetime"). The user's prefill record is restored.
     """
-    from .api import compress
-
     texts = _check_texts(model, texts, prefix, "fit_layer_gains")
     if {"scope", "layer_gains", "config"} & set(options):
         raise RDKVError("fit_layer_gains measures the per-layer allocation itself: do not pass scope, layer_gains or config")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import quant, rope
+from .reference import queries
 from .trizone import V_CLASSES, TriZoneLayer
 
 def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
@@ -132,30 +133,21 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract and result as :func:`rdkv.reference.trizone_attention` (to float32 rounding)."""
-    B, Hq, L, D = query.shape
-    H = layer.heads
-    G, S = Hq // H, B * H
-    q = query.float().reshape(S, G * L, D)
-    seq = layer.get_seq_length()
-    dev = query.device
-    q_pos = torch.arange(seq - L, seq, device=dev).repeat(G)  # [G*L], head-major like q
-    window = sliding_window if layer.sliding_window is None else layer.sliding_window
-    m = None
-    if mask is not None:
-        m = mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)  # [S, G*L, seq]
+    q, q_pos, window, m = queries(query, layer, sliding_window, mask)
+    (S, GL, D), seq, dev = q.shape, layer.get_seq_length(), query.device
 
     scores, values = [], []
     for seg in layer.segments():
         K, V, pos, kept, permuted = read_segment(seg)
         if not K.shape[1]:
             continue
-        qs = q.gather(2, seg.t["k_perm"].long().unsqueeze(1).expand(S, G * L, D)) if permuted else q
+        qs = q.gather(2, seg.t["k_perm"].long().unsqueeze(1).expand(S, GL, D)) if permuted else q
         s = torch.bmm(qs, K.transpose(1, 2))
         ok = kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
         if window is not None:
             ok = ok & (q_pos[:, None] - pos.unsqueeze(1) < window)
         if m is not None:
-            ok = ok & m.gather(2, pos.unsqueeze(1).expand(S, G * L, -1))
+            ok = ok & m.gather(2, pos.unsqueeze(1).expand(S, GL, -1))
         scores.append((s, ok))
         values.append(V)
     c_pos = torch.arange(layer.c_start, seq, device=dev)
@@ -173,7 +165,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     s = torch.cat([x for x, _ in scores], -1) * scaling
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
-    ok = torch.cat([o.expand(S, G * L, o.shape[-1]) for _, o in scores], -1)
+    ok = torch.cat([o.expand(S, GL, o.shape[-1]) for _, o in scores], -1)
     s = s.masked_fill_(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num_(0.0)  # a query that sees nothing: zero output
     out = torch.bmm(p[..., : values[0].shape[1]], values[0])
@@ -181,4 +173,4 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     for v in values[1:]:
         out.baddbmm_(p[..., a : a + v.shape[1]], v)
         a += v.shape[1]
-    return out.reshape(B, Hq, L, D).to(query.dtype)
+    return out.reshape(query.shape).to(query.dtype)

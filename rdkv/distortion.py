@@ -47,14 +47,14 @@ Bytes are the exact bytes each option adds to the packed cache (see :mod:`rdkv.t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from . import quant
-from .attention import CHUNK_ELEMENTS, AttentionSums, allowed_keys
+from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys
 from .errors import RDKVError
-from .trizone import PackSpec, pos_bytes
+from .trizone import PackSpec, TriZoneCache, pos_bytes
 from .weights import channel_weights, token_weights
 
 MODELS = ("output", "paper")
@@ -237,3 +237,36 @@ def joint_reprice(t: LayerTables, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         cross = eviction_cross(q[b], k[b], v[b], q_pos, k_pos, scaling, window, softcap, present, present & ~kept)
         return t.dv[b, ..., 0] + float(scale[b]) * cross.clamp_min(0)
     return reprice
+
+
+# --- the solver objective of an allocation ------------------------------------------------------------
+def layer_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> list[float]:
+    """Each layer's solver distortion for the chosen widths, per weight query, averaged over sequences."""
+    out = []
+    for t, vo, ko in zip(tables, v_opt, k_opt):
+        dv = t.dv.gather(-1, vo.unsqueeze(-1)).squeeze(-1).masked_fill(~t.present, 0.0)
+        dk = t.dk.gather(-1, ko.unsqueeze(-1)).squeeze(-1)
+        out.append(float((dv.sum((1, 2)) + dk.sum((1, 2))).div(t.nq.clamp_min(1)).mean()))
+    return out
+
+
+def modelled_distortion(tables: list, v_opt: list[torch.Tensor], k_opt: list[torch.Tensor]) -> float:
+    """Sum over layers of the solver's distortion for the chosen widths, per weight query and sequence."""
+    return sum(layer_distortion(tables, v_opt, k_opt))
+
+
+def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Option indices of a compressed cache's widths, in the tables' units (positions, channel blocks)."""
+    v_opt, k_opt = [], []
+    for i, (layer, t) in enumerate(zip(cache.layers, tables)):
+        vw = layer.v_widths().to(t.dv.device)
+        if vw.shape != t.present.shape:
+            raise RDKVError(f"layer {i}: the cache holds {tuple(vw.shape)} positions, the last prefill "
+                            f"{tuple(t.present.shape)}: pass a cache compressed from the model's last prefill")
+        kw = layer.k_widths().to(t.dk.device).gather(-1, t.perm).unflatten(-1, (-1, t.spec.k_block))
+        if (kw != kw[..., :1]).any():
+            raise RDKVError(f"layer {i}: the cache's K blocks are not the allocator's blocks (a baseline, or another "
+                            "prefill); its modelled distortion is not defined")
+        v_opt.append(quant.option_of(vw))
+        k_opt.append(quant.option_of(kw[..., 0]))
+    return v_opt, k_opt

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attend
+from .dense import attend
 from .distortion import fixed_bytes, layer_tables
 from .errors import RDKVError
 from .solvers.allocate import allocate

@@ -15,7 +15,7 @@ are presets of :class:`~rdkv.api.CompressConfig`; baselines are small functions 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ RDKV_VARIANTS: dict[str, dict] = {
     "rdkv-wsl256": {"window_sliding": 256},  # all 256 queries for sliding-window layers only (Gemma 3's local ones)
     "rdkv-wgl256": {"window": 256, "window_sliding": 64},  # all 256 for global layers only (= rdkv-w256 without local layers)
     # window weights per window query that can see each token, so the prefill's last tokens are not under-weighted:
-    # better at 25% and on Gemma 3's agnostic needle, worse at 5% (docs/experiments.md, 2026-11-30 second session)
+    # better at 25% and on Gemma 3's agnostic needle, worse at 5% (docs/experiments.md)
     "rdkv-visible": {"visible": 1.0},
     # both: on Gemma 3 at 10% every needle the full cache answers, at every depth, in both protocols (1k, 15 probes)
     "rdkv-visible-wgl256": {"visible": 1.0, "window": 256, "window_sliding": 64},

@@ -10,12 +10,13 @@ the layer never held (outside a sliding window), shown blank.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 import torch
 
 from . import api, quant
-from .calibrate import cache_options, modelled_distortion as objective
+from .distortion import cache_options, modelled_distortion as objective
 from .errors import RDKVError
 from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
@@ -31,7 +32,7 @@ ZONE_COLORS = ("#6baed6", "#08306b", "#fdae6b")
 COMPONENT_COLORS = dict(zip(COMPONENTS, ("#4292c6", "#9ecae1", "#c6dbef", "#08306b", "#969696", "#fdae6b")))
 
 
-def _figure(**kwargs) -> "Figure":
+def _figure(**kwargs) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ModuleNotFoundError as e:
@@ -89,7 +90,7 @@ def k_width_grid(cache: TriZoneCache, seq: int = 0) -> torch.Tensor:
 
 # --- figures ------------------------------------------------------------------------------------------
 
-def _heatmap(grid: torch.Tensor, head: int, xlabel: str, title: str, evicted: str, figsize) -> "Figure":
+def _heatmap(grid: torch.Tensor, head: int, xlabel: str, title: str, evicted: str, figsize) -> Figure:
     _check_index("head", head, grid.shape[1])
     cmap, norm = _width_cmap()
     fig = _figure(figsize=figsize)
@@ -100,14 +101,14 @@ def _heatmap(grid: torch.Tensor, head: int, xlabel: str, title: str, evicted: st
     return fig
 
 
-def v_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> "Figure":
+def v_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> Figure:
     """Layers x positions, colored by V width: shows where eviction and low precision land, e.g. whether
     the sinks and the recent window survive and which layers get the bytes."""
     return _heatmap(v_width_grid(cache, seq), head, "token position",
                     f"V width per token (KV head {head}, sequence {seq}; budget {cache.budget})", "evicted", (11, 4))
 
 
-def k_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> "Figure":
+def k_width_heatmap(cache: TriZoneCache, head: int = 0, seq: int = 0) -> Figure:
     """Layers x channels, colored by K width: the outlier channels that get 8 or 16 bits (K is quantized
     per channel, so a few large channels decide most of the K error)."""
     return _heatmap(k_width_grid(cache, seq), head, "K channel (model order)",
@@ -136,7 +137,7 @@ def locate(tokenizer: Any, input_ids: torch.Tensor | Sequence[int], text: str) -
 
 def token_widths(cache: TriZoneCache, tokenizer: Any, input_ids: torch.Tensor | Sequence[int],
                  layer: int | None = None, head: int | None = None, around: int | None = None,
-                 window: int = 40, seq: int = 0) -> "Figure":
+                 window: int = 40, seq: int = 0) -> Figure:
     """Which tokens (as text) were dropped, and which kept at 2/4/8/16 bits.
 
     With ``layer`` and ``head`` both given, one bar per token shows that stream's V width (evicted
@@ -206,7 +207,7 @@ def token_widths(cache: TriZoneCache, tokenizer: Any, input_ids: torch.Tensor | 
     return fig
 
 
-def zone_sizes(cache: TriZoneCache) -> "Figure":
+def zone_sizes(cache: TriZoneCache) -> Figure:
     """Per layer: rows and bytes of zone A (packed: 2/4/8-bit V rows, all K, indices), zone B (16-bit V
     rows) and zone C (tokens appended since compression), to see where each layer's bytes went."""
     names = ("zone A (packed)", "zone B (16-bit V)", "zone C (fresh)")
@@ -234,7 +235,7 @@ def zone_sizes(cache: TriZoneCache) -> "Figure":
     return fig
 
 
-def bytes_per_token(cache: TriZoneCache) -> "Figure":
+def bytes_per_token(cache: TriZoneCache) -> Figure:
     """Bytes per prefix token by component, stacked per layer, against the fp16 cost and the budget:
     shows how much of the budget metadata (scales, zeros, indices) eats rather than codes."""
     per_layer = []
@@ -295,7 +296,7 @@ def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), c
 
 
 def rd_curve(model: torch.nn.Module, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
-             method: str = "rdkv", config: api.CompressConfig | None = None, **overrides) -> "Figure":
+             method: str = "rdkv", config: api.CompressConfig | None = None, **overrides) -> Figure:
     """Modelled distortion against budget for the model's last prefill, with an operating point marked.
 
     The curve is the solver's own objective (see :func:`modelled_distortion`), so it shows what the

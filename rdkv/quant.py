@@ -95,7 +95,7 @@ def row_bytes(width: int, dim: int, group: int) -> int:
 # --- quantize + pack in one call (the compress path; Triton on GPU) ---------------------------------------
 def check_quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
                         segments: torch.Tensor | None = None) -> int:
-    """Validate the arguments of :func:`quantize_pack`; returns the axis as -1 or 0."""
+    """Validate the arguments of :func:`rdkv.trizone.quantize_pack`; returns the axis as -1 or 0."""
     if bits not in PACKED:
         raise RDKVError(f"quantize_pack packs bits in {PACKED}, got {bits}")
     if not isinstance(group, int) or group <= 0:
@@ -140,7 +140,7 @@ def segment_groups(lens: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 
 def quantize_pack_torch(x: torch.Tensor, bits: int, group: int, axis: int = -1,
                         segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path of :func:`quantize_pack` (and the reference of its Triton kernel)."""
+    """The torch path of :func:`rdkv.trizone.quantize_pack` (and the reference of its Triton kernel)."""
     axis = check_quantize_pack(x, bits, group, axis, segments)
     if axis == -1:
         c, scale, zero = quantize(x.unflatten(-1, (-1, group)), bits)
@@ -154,27 +154,3 @@ def quantize_pack_torch(x: torch.Tensor, bits: int, group: int, axis: int = -1,
     hi = x.new_full((len(start), C), float("-inf")).scatter_reduce(0, idx, x, "amax")
     scale, zero = scale_zero(lo, hi, bits)
     return pack(codes(x, scale[gid], zero[gid], bits), bits), scale, zero
-
-
-def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
-                  segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize groups of ``x`` to ``bits`` in {2, 4, 8} and pack the codes: (packed uint8, scale fp16,
-    zero fp16), bit-identical on every backend.
-
-    ``axis=-1`` (V rows): x [..., n * group] -> packed [..., n * group * bits / 8], scale/zero [..., n]; the
-    same as :func:`quantize` on ``x.unflatten(-1, (-1, group))`` then :func:`pack`. ``axis=0`` (K): x [R, C],
-    groups of ``group`` rows per channel, restarting at every segment of ``segments`` (row counts summing to
-    R; default one) -> packed [R, C * bits / 8] (codes packed along C), scale/zero [groups, C].
-
-    Runs the Triton kernel (``rdkv.kernels.quantize_pack``) when ``rdkv.decode.backend(x.device)`` is
-    ``"triton"`` (CUDA tensors, or ``RDKV_BACKEND=triton``), the torch ops otherwise.
-    """
-    from .decode import backend  # here, not at the top: rdkv.decode imports rdkv.trizone, which imports this
-
-    if backend(x.device) != "triton":
-        return quantize_pack_torch(x, bits, group, axis, segments)
-    try:
-        from .kernels.quantize_pack import quantize_pack as triton_quantize_pack
-    except ImportError as e:
-        raise RDKVError(f"RDKV_BACKEND=triton but the Triton quantize kernel is unavailable: {e}") from e
-    return triton_quantize_pack(x, bits, group, axis, segments)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import allowed_keys
+from .dense import allowed_keys
 from .trizone import TriZoneLayer
 
 
@@ -33,6 +33,20 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return sum(wi.unsqueeze(-1) * o for wi, (o, _) in zip(w, parts))
 
 
+def queries(query: torch.Tensor, layer: TriZoneLayer, sliding_window: int | None, mask: torch.Tensor | None):
+    """What every torch decode path needs from a call: (q [S, G*L, D] float32 with S = batch * kv heads,
+    each query's absolute position [G*L] (head-major like q), the window in force, and the bool mask over
+    absolute positions repeated per stream and query head [S, G*L, seq], or None)."""
+    B, Hq, L, D = query.shape
+    H = layer.heads
+    G = Hq // H
+    seq = layer.get_seq_length()
+    q_pos = torch.arange(seq - L, seq, device=query.device).repeat(G)
+    window = sliding_window if layer.sliding_window is None else layer.sliding_window
+    m = None if mask is None else mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)
+    return query.float().reshape(B * H, G * L, D), q_pos, window, m
+
+
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D].
@@ -40,19 +54,9 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     ``mask``, if given, is transformers' bool mask over absolute positions [B, 1, L, >=seq_len]; its
     columns are gathered at the positions of the kept tokens.
     """
-    B, Hq, L, D = query.shape
-    H = layer.heads
-    G, S = Hq // H, B * H
-    q = query.float().reshape(S, G * L, D)
-    seq = layer.get_seq_length()
-    dev = query.device
-    q_pos = torch.arange(seq - L, seq, device=dev).repeat(G)  # [G*L], head-major like q
-    window = sliding_window if layer.sliding_window is None else layer.sliding_window
-
-    c_pos = torch.arange(layer.c_start, seq, device=dev)
-    m = None
-    if mask is not None:
-        m = mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)  # [S, G*L, seq]
+    q, q_pos, window, m = queries(query, layer, sliding_window, mask)
+    (S, _, D), seq = q.shape, layer.get_seq_length()
+    c_pos = torch.arange(layer.c_start, seq, device=query.device)
     parts = []
     for seg in layer.segments():
         K, V, pos, valid = seg.dequantize()
@@ -66,4 +70,4 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     if m is not None:
         ok_c = ok_c & m[:, :, layer.c_start : seq]
     parts.append(partial_attention(q, kc, vc, ok_c, scaling, softcap))
-    return merge(parts).reshape(B, Hq, L, D).to(query.dtype)
+    return merge(parts).reshape(query.shape).to(query.dtype)

@@ -46,7 +46,7 @@ class Report:
     layer_distortion: tuple[float, ...] | None = None  # the solver's modelled distortion per layer (RDKV methods)
 
     @classmethod
-    def of(cls, cache) -> "Report":
+    def of(cls, cache) -> Report:
         rows, comps = [], dict.fromkeys(COMPONENTS, 0)
         for li, layer in enumerate(cache.layers):
             for k, v in layer_components(layer).items():

@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import quant, rope
+from .backend import backend
 from .errors import RDKVError
 
 V_CLASSES = (2, 4, 8, 16)
@@ -41,7 +42,7 @@ class PackSpec:
     """Group sizes of the packed format (they set the metadata bytes)."""
 
     # channels per V scale/zero: one size, or one per packed V width (2, 4, 8 bits). On Gemma 3 at ~40% of the
-    # bytes, groups of 32 paid on the 2-bit rows only: (32, 64, 64) (docs/experiments.md, fourth session)
+    # bytes, groups of 32 paid on the 2-bit rows only: (32, 64, 64) (docs/experiments.md)
     v_group: int | tuple[int, int, int] = 64
     k_group: int = 128  # tokens per K scale/zero, per channel
     k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
@@ -234,6 +235,28 @@ class TriZoneLayer(CacheLayerMixin):
         return K, V, pos, valid
 
 
+def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
+                  segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize groups of ``x`` to ``bits`` in {2, 4, 8} and pack the codes: (packed uint8, scale fp16,
+    zero fp16), bit-identical on every backend.
+
+    ``axis=-1`` (V rows): x [..., n * group] -> packed [..., n * group * bits / 8], scale/zero [..., n]; the
+    same as :func:`quantize` on ``x.unflatten(-1, (-1, group))`` then :func:`rdkv.quant.pack`. ``axis=0`` (K): x [R, C],
+    groups of ``group`` rows per channel, restarting at every segment of ``segments`` (row counts summing to
+    R; default one) -> packed [R, C * bits / 8] (codes packed along C), scale/zero [groups, C].
+
+    Runs the Triton kernel (``rdkv.kernels.quantize_pack``) when ``rdkv.backend.backend(x.device)`` is
+    ``"triton"`` (CUDA tensors, or ``RDKV_BACKEND=triton``), the torch ops otherwise.
+    """
+    if backend(x.device) != "triton":
+        return quant.quantize_pack_torch(x, bits, group, axis, segments)
+    try:
+        from .kernels.quantize_pack import quantize_pack as triton_quantize_pack
+    except ImportError as e:
+        raise RDKVError(f"RDKV_BACKEND=triton but the Triton quantize kernel is unavailable: {e}") from e
+    return triton_quantize_pack(x, bits, group, axis, segments)
+
+
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,
                k_perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
                prefix_len: int) -> TriZoneLayer:
@@ -265,7 +288,7 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
         if w == 16:
             t["v16"] = rows.to(dtype16)
             continue
-        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quant.quantize_pack(rows, w, spec.v_group_of(w))
+        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quantize_pack(rows, w, spec.v_group_of(w))
     kp = k[s_flat, t_flat].gather(1, k_perm.long()[s_flat])  # [N, D] channels permuted
     for w in quant.WIDTHS:
         ps, pb, pair, pi, _, npairs, _ = _k_pairs(k_bits, n, w, spec.k_group)
@@ -279,7 +302,7 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
         else:
             # groups of k_group tokens per channel, restarting at each (block, stream) pair
             pair_stream = torch.nonzero(k_bits.T == w, as_tuple=True)[1]  # _k_pairs' pair order
-            t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"] = quant.quantize_pack(
+            t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"] = quantize_pack(
                 rows, w, spec.k_group, axis=0, segments=n[pair_stream])
     t["kc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
     t["vc"] = k.new_zeros(B, H, 0, D, dtype=dtype16)
@@ -315,7 +338,7 @@ class TriZoneCache(Cache):
 
     @property
     def distortion(self) -> float | None:
-        """The solver's modelled distortion (:func:`rdkv.calibrate.modelled_distortion`), None for baselines."""
+        """The solver's modelled distortion (:func:`rdkv.distortion.modelled_distortion`), None for baselines."""
         return None if self.layer_distortion is None else sum(self.layer_distortion)
 
     def set_fold(self, policy) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import CHUNK_ELEMENTS, AttentionSums, LayerStats, allowed_keys, attend
+from .backend import backend
+from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend
+from .record import LayerStats
 from .errors import RDKVError
 
 FORMS = ("all", "window")
@@ -46,13 +48,13 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     of the W window queries that can see the token). A token among the prefill's last W is seen only by the
     window queries from it on, so its plain sum under-weights it, though every later query will see it. On
     Gemma 3 legal text at a 25% budget, one such token drew 60% of the continuation's squared attention on
-    the prefix in a sliding layer, and had been given 2 bits (docs/experiments.md, 2026-11-30 second
-    session, "Why: causal visibility"). Tokens older than the window, which every window query sees, are
+    the prefix in a sliding layer, and had been given 2 bits (docs/experiments.md, 2026-11-30,
+    "Why: causal visibility"). Tokens older than the window, which every window query sees, are
     unchanged. ``power`` < 1 corrects part of the way, (W / seen)^power: the queries that saw a recent token
     saw it close by, where attention is denser than at the distance later queries will see it from.
     ``cap`` bounds the factor W / (seeing queries) before the power, for the last few tokens, whose estimate
     rests on the fewest queries. Not the default: at a 5% budget the correction costs more than it saves on
-    SmolLM2, with or without a cap of 4 or 8 (docs/experiments.md, 2026-11-30 third session).
+    SmolLM2, with or without a cap of 4 or 8 (docs/experiments.md).
     """
     q, q_pos = window_queries(stats, window)
     k_pos = torch.arange(start, stats.seen, device=q.device)
@@ -73,9 +75,7 @@ def lifetime(pos: torch.Tensor, seen: int, sliding_window: int, horizon: int) ->
 
 def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> AttentionSums:
     """Sums of the window queries over the layer's keys: the Triton token-weight kernel when
-    ``rdkv.decode.backend`` picks triton (CUDA, or ``RDKV_BACKEND=triton``), else :func:`attend`."""
-    from .decode import backend
-
+    ``rdkv.backend.backend`` picks triton (CUDA, or ``RDKV_BACKEND=triton``), else :func:`attend`."""
     valid = stats.valid[:, stats.start :]
     if backend(q.device) == "triton":
         try:

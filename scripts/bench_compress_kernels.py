@@ -5,7 +5,7 @@ Synthetic tensors shaped like one Llama-3.1-8B layer (8 KV heads x 4 query heads
 
 * ``token weights``: attention mass of the last 64 prefill queries on every key
   (``rdkv.kernels.token_weights.attention_sums``, two launches, no M x T tensor) vs
-  ``rdkv.attention.attend`` chunked the way ``rdkv.weights`` calls it;
+  ``rdkv.dense.attend`` chunked the way ``rdkv.weights`` calls it;
 * ``quantize V rows``: 2/4-bit codes of every token row, 32-channel groups (``axis=-1``);
 * ``quantize K``: 2/4-bit codes of a 16-channel block over all tokens, 128-token groups (``axis=0``).
 
@@ -25,7 +25,7 @@ import torch
 
 from common import save_outputs
 from rdkv import quant
-from rdkv.attention import attend
+from rdkv.dense import attend
 
 H, G, D, W = 8, 4, 128, 64
 

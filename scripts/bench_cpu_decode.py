@@ -25,7 +25,8 @@ import torch
 
 import rdkv
 
-LOAD = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nwhile True:\n    a @ a\n"
+LOAD = ("import os, torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nparent = os.getppid()\n"
+        "while os.getppid() == parent:  # ends with the benchmark, however it ends\n    a @ a\n")
 
 
 def text_ids(tok, n: int) -> torch.Tensor:

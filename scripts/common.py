@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import rdkv
-from rdkv.attention import allowed_keys
+from rdkv.dense import allowed_keys
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -268,7 +268,7 @@ def plot(rows: list[dict], x: str, ys: list[str], path: Path, title: str) -> Non
             ax.set_xscale("log")
             xs = [r[x] for r in rows]
             ticks = [t for t in (0.025, 0.05, 0.1, 0.25, 0.5, 1.0) if 0.8 * min(xs) <= t <= 1.25 * max(xs)]
-            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # the budgets, where the data is
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])  # the budgets, where the data is
             ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on a short decade
             ax.set_xlabel("bytes held / fp16 bytes")
             ax.set_ylabel(y)

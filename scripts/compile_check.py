@@ -25,7 +25,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile for real even if a test session set the interpreter
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real even if a test run set the interpreter
 
 SMEM_LIMIT = {90: 228 * 1024, 80: 164 * 1024}
 PTR_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}

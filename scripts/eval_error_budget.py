@@ -26,7 +26,7 @@ import torch
 import rdkv
 from common import (calibration_texts, domain_text, forward, full_reference, header, kl, parser, split_method, table,
                     write)
-from rdkv.attention import allowed_keys
+from rdkv.dense import allowed_keys
 from rdkv.reference import partial_attention
 
 

@@ -3,7 +3,7 @@
     python scripts/eval_mechanisms.py --quick
     python scripts/eval_mechanisms.py --model gemma3-270m --contexts 1024 2048 --domains prose code
 
-Tensor MSE alone misleads (shared/METHOD.md, after KIVI): a key error matters only through the
+Tensor MSE alone misleads (as KIVI observes): a key error matters only through the
 score q·k/sqrt(D) it shifts, and a value error only through the probability-weighted sum it enters.
 So this script prefills real text once, captures every layer's query, key and value (keys after RoPE
 and any k-norm, exactly as the cache holds them), fake-quantizes K or V with ``rdkv.quant`` along
@@ -48,7 +48,7 @@ from rdkv.quant import fake_quantize
 from rdkv.rope import rope_table, rotate
 
 CAPTURE = "rdkv-mechanisms-capture"
-# The KIVI paper (Llama-2-13B, 2-bit, group 32), absolute errors as quoted in shared/METHOD.md.
+# The KIVI paper (Llama-2-13B, 2-bit, group 32), absolute errors as the paper reports them.
 PAPER = {"key err": (13.67, 4.55), "score err": (47.00, 9.60), "value err": (4.57, 3.73), "output err (V)": (3.55, 49.89)}
 
 

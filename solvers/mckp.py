@@ -6,12 +6,12 @@ D = +inf marks an option as disallowed.
 """
 
 import math
-from typing import Callable, Union
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-Array = Union[np.ndarray, torch.Tensor]
+Array = np.ndarray | torch.Tensor
 
 
 def _prepare(D: Array, R: Array) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], Array]]:

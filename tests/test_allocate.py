@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import SMALL
-from rdkv.attention import AttentionSums
+from rdkv.dense import AttentionSums
 from rdkv.distortion import layer_tables
 from rdkv.solvers.allocate import allocate
 from rdkv.trizone import PackSpec

@@ -72,6 +72,15 @@ def test_error_budget_needs_the_calibrated_options(calibrated):
     assert a.method == b.method == "rdkv" and a.nbytes == b.nbytes
     with pytest.raises(rdkv.RDKVError, match="other options"):
         rdkv.compress(model, error=eps, **{**SMALL, "k_group": 64})
+    # a prior tuned after calibrating changes how every later call is priced: the map no longer applies
+    from rdkv.calibrate import PriorFit
+
+    model._rdkv_prior = PriorFit(floor=3.0, surprisal=3.0, scores=())
+    try:
+        with pytest.raises(rdkv.RDKVError, match="other options"):
+            rdkv.compress(model, error=eps, **SMALL)
+    finally:
+        del model._rdkv_prior
 
 
 def test_error_budget_needs_a_calibration():
@@ -139,7 +148,8 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from common import feeder, kl
-    from rdkv.calibrate import cache_options, modelled_distortion, plain_prefill, swap_in
+    from rdkv.calibrate import plain_prefill, swap_in
+    from rdkv.distortion import cache_options, modelled_distortion
 
     model = rdkv.attach(tiny_gemma3(3))
     ids = torch.randint(0, 96, (1, 96), generator=torch.Generator().manual_seed(1))

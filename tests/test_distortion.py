@@ -5,8 +5,7 @@ import torch
 
 import rdkv
 from conftest import SMALL, tiny_llama
-from rdkv.attention import AttentionSums
-from rdkv.attention import allowed_keys
+from rdkv.dense import AttentionSums, allowed_keys
 from rdkv.distortion import eviction_cross, layer_tables
 from rdkv.solvers.allocate import _reprice, allocate
 from rdkv.trizone import PackSpec
@@ -134,7 +133,7 @@ def crowd_head(seed: int = 0):
 def test_joint_repricing_keeps_a_crowd_the_additive_price_evicts():
     """Evicted together, the crowd's tokens move the output many times their summed additive prices; with
     ``joint_reprice`` the allocator evicts fewer of them, and the real output error of what it evicts drops."""
-    from rdkv.attention import attend
+    from rdkv.dense import attend
     from rdkv.distortion import joint_reprice
 
     q, k, v, q_pos, k_pos = crowd_head()
@@ -301,3 +300,20 @@ def test_layer_gains_move_bytes_toward_the_layer_weighed_more():
             rdkv.compress(model, 0.25, layer_gains=bad, **kw)
     with pytest.raises(rdkv.RDKVError, match="evict_jointly"):
         rdkv.compress(model, 0.25, layer_gains=(1.0, 1.0), evict_jointly=True, **kw)
+
+
+def test_sinks_are_the_sequence_s_first_tokens_not_a_sliding_window_s_oldest():
+    """Eviction protection (``sinks``) covers the first real tokens of the sequence. A sliding-window layer that
+    no longer holds them protects none of its tokens: its oldest are about to leave the window."""
+    from conftest import tiny_gemma3
+
+    model = rdkv.attach(tiny_gemma3(0))
+    model(torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(0)), use_cache=True)
+    _, tables, _ = rdkv.api.allocation_tables(model, "rdkv", sinks=4, recent=0, **SMALL)
+    kinds = model.config.layer_types
+    for t, kind in zip(tables, kinds):
+        pinned = torch.isinf(t.dv[0, :, :, 0])  # [H, held]: eviction priced at infinity
+        if kind == "full_attention":
+            assert pinned[:, :4].all() and not pinned[:, 4:].any()
+        else:
+            assert t.dv.shape[2] == 15 and not pinned.any()  # the window: 15 held tokens and the next query

@@ -5,7 +5,7 @@ zeros, compared with ``torch.equal`` (values; a zero of -0.0 equals one of +0.0)
 to even exactly (from ``floor``) and divides with IEEE ``div_rn``, so no tie or last-bit mismatch is
 allowed; ties are constructed on purpose below.
 
-Token weights (``rdkv.kernels.token_weights``) against the sums of ``rdkv.attention.attend``. Tolerances:
+Token weights (``rdkv.kernels.token_weights``) against the sums of ``rdkv.dense.attend``. Tolerances:
 * scores: the kernel's ``tl.dot`` multiplies in the input dtype and accumulates in fp32; fp16 / bf16
   products are exact in fp32 and fp32 inputs use "ieee" dots, so a score differs from the reference (fp32
   einsum on upcast inputs) only by summation order: ~sqrt(D) * 2^-24 * sum|q_d k_d| * scaling, ~1e-6
@@ -34,8 +34,8 @@ import torch
 if DEVICE != "cpu" and not torch.cuda.is_available():
     pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
-from rdkv import RDKVError, quant
-from rdkv.attention import attend
+from rdkv import RDKVError, quant, trizone
+from rdkv.dense import attend
 
 for _name in ("rdkv.kernels.quantize_pack", "rdkv.kernels.token_weights"):
     if _name in sys.modules:  # imported earlier without the interpreter: redecorate
@@ -190,10 +190,10 @@ def test_quant_quantize_pack_dispatches(monkeypatch):
     monkeypatch.setattr(qmod, "quantize_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = rows_data(10, 64, 9)
     monkeypatch.setenv("RDKV_BACKEND", "torch")
-    want = quant.quantize_pack(x, 2, 32)
+    want = trizone.quantize_pack(x, 2, 32)
     assert not calls
     monkeypatch.setenv("RDKV_BACKEND", "triton")
-    same(quant.quantize_pack(x, 2, 32), want)
+    same(trizone.quantize_pack(x, 2, 32), want)
     assert len(calls) == 1
     want = quant.quantize(x.unflatten(-1, (-1, 32)), 2)
     same(want[1:], quant.quantize_pack_torch(x, 2, 32)[1:])

@@ -5,7 +5,7 @@ import torch
 from rdkv import quant
 from rdkv.distortion import LayerTables, fixed_bytes, layer_tables
 from rdkv.errors import RDKVError
-from rdkv.attention import AttentionSums
+from rdkv.dense import AttentionSums
 from rdkv.reference import trizone_attention
 from rdkv.trizone import PackSpec, pack_layer
 
