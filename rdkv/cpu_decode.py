@@ -1,10 +1,11 @@
 """TriZone decode in plain torch, built for speed on a CPU; :mod:`rdkv.reference` stays the oracle.
 
-Per packed segment the work is a handful of large vectorised ops, whatever the number of width classes
-or streams: each K width class and V class is unpacked once and dequantized in one fused multiply-add straight into a dense per-stream tensor;
-keys stay in each stream's packed channel order and the query is permuted instead (q . k = q[perm] .
-k[perm]), so no permutation of the keys is built; causality is never evaluated on a packed prefix,
-whose positions all precede every query. The scores of every segment and of zone C go through one softmax.
+Per packed segment the work is a handful of large vectorised ops, whatever the number of width classes:
+each V class and K width is unpacked once into one buffer in storage order, which one index copy per zone
+scatters to dense per-stream rows; every K block's scale and zero are applied in one broadcast over whole
+token groups; keys stay in each stream's packed channel order and the query is permuted instead
+(q . k = q[perm] . k[perm]); causality is never evaluated on a packed prefix, whose positions all precede
+every query; the scores of every segment and of zone C go through one softmax.
 
 :func:`read_segment` is the only function here that knows the packed layout.
 Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts.
@@ -113,16 +114,17 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.T
         a, p = a + rows, p + pairs
     K = torch.empty(S * N * nb, kb, device=dev)  # row (s * N + i) * nb + b: block b of token i of stream s
     K.index_copy_(0, _runs(n[s], row0[s] * nb + blk, step=nb), flat)
-    packed = (bits.T.flatten()[pair] % 16 != 0)  # pairs whose codes carry a scale and zero
-    scale = torch.ones(S * ngm * nb, 2, kb, device=dev)
-    scale[:, 1] = 0
+    width = bits.T.flatten()[pair]
+    packed = (width != 0) & (width != 16)  # pairs whose codes carry a scale and zero per token group
+    sz = torch.ones(S * ngm * nb, 2, kb, device=dev)  # (scale, zero) per (stream, token group, block)
+    sz[:, 1] = 0
     if bool(packed.any()):
         meta = torch.cat([torch.stack([t[f"k{w}.scale"], t[f"k{w}.zero"]], 1) for w in quant.PACKED
                           if per_width[quant.WIDTHS.index(w)]]).float()
         ps, pb = s[packed], blk[packed]
-        scale.index_copy_(0, _runs(-(-n[ps] // kg), ps * ngm * nb + pb, step=nb), meta)  # groups restart per pair
-    scale = scale.view(S, ngm, 1, nb, 2, kb)
-    K = torch.addcmul(scale[..., 1, :], K.view(S, ngm, kg, nb, kb), scale[..., 0, :]).view(S, N, D)
+        sz.index_copy_(0, _runs(-(-n[ps] // kg), ps * ngm * nb + pb, step=nb), meta)  # groups restart per pair
+    sz = sz.view(S, ngm, 1, nb, 2, kb)
+    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
     V, pos = V.view(S, N, D), pos.view(S, N)
     if "rope" not in t:
         return K, V, pos, kept, True

@@ -1,7 +1,7 @@
 """Exact attention over dense keys and values in torch, and the sums the weight estimator streams from it.
 
-The one torch attention primitive of the package: prefill on an attached model (:mod:`rdkv.attention`),
-window weights (:mod:`rdkv.weights`), distortion tables and folds use it. It runs in query chunks, so the
+Prefill on an attached model (:mod:`rdkv.attention`), window weights (:mod:`rdkv.weights`), distortion
+tables and folds use it; the decode paths read packed segments instead. It runs in query chunks, so the
 score tensor never exceeds ``elements`` (memory O(T * chunk), never T x T).
 """
 from __future__ import annotations

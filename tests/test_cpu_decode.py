@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from test_kernel_decode import GRID, ROPE_GRID, build, query, rope_table
+from test_kernel_decode import GRID, ROPE_GRID, _decode_logits, build, query, rope_table, width_mixes
 
 import rdkv
 from rdkv import cpu_decode, reference
@@ -53,12 +53,8 @@ def test_pre_rope_keys(seed, T, D, start, G, L, dtype, vmix, kmix):
 
 
 def test_every_mix_of_width_classes_and_unsorted_k_blocks():
-    kmixes = [(0, 2, 4, 8, 16), (2,), (16,), (0, 8), (4, 16), (2, 4, 8)]
-    subsets = [tuple(w for i, w in enumerate((2, 4, 8, 16)) if m >> i & 1) for m in range(1, 16)]
-    for n, sub in enumerate(subsets):
-        layer = build(seed=n, B=2, H=2, T=90, D=64, n_c=2, vmix=(0,) + sub, kmix=kmixes[n % len(kmixes)],
-                      sort_k=bool(n % 2))
-        check(layer, query(layer, 2, 1, torch.float32, seed=n))
+    for layer, q in width_mixes(H=2):
+        check(layer, q)
 
 
 def test_ragged_and_empty_streams():
@@ -116,40 +112,21 @@ def test_cpu_tensors_take_the_fast_path_and_reference_selects_the_oracle(monkeyp
 
 
 # --- end to end: the same compressed cache decoded through both paths ------------------------------------
-def _logits_both_ways(monkeypatch, model, ids, nxt, batch_mask=None, **options):
-    rdkv.attach(model)
-    kw = {}
-    if batch_mask is not None:
-        pos = (batch_mask.cumsum(-1) - 1).clamp_min(0)
-        model(ids, attention_mask=batch_mask, position_ids=pos, use_cache=True)
-        kw = dict(attention_mask=torch.cat([batch_mask, torch.ones_like(nxt)], 1),
-                  position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1]))
-    else:
-        model(ids, use_cache=True)
-    cache = rdkv.compress(model, 0.3, **options)
-    out = []
-    for backend in ("torch", "reference"):
-        monkeypatch.setenv("RDKV_BACKEND", backend)
-        c = cache if backend == "reference" else copy.deepcopy(cache)
-        out.append(model(nxt, past_key_values=c, **kw).logits)
-    return out
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_end_to_end_tiny_models(monkeypatch, arch):
     """Tiny Llama with a left-padded batch; tiny Gemma 3 (sliding and global layers, q/k norms, two RoPE
-    bases) with pre-RoPE keys."""
-    from conftest import tiny_gemma3, tiny_llama
+    bases) with pre-RoPE keys: three query positions at once, then one, through each path."""
+    from conftest import tiny_gemma3
 
     g = torch.Generator().manual_seed(1)
     ids, nxt = torch.randint(0, 96, (2, 150), generator=g), torch.randint(0, 96, (2, 3), generator=g)
-    if arch == "llama":
-        mask = torch.ones(2, 150, dtype=torch.long)
-        mask[1, :25] = 0
-        got, want = _logits_both_ways(monkeypatch, tiny_llama(0), ids, nxt, mask, v_group=32, k_group=32, k_block=16)
-    else:
-        got, want = _logits_both_ways(monkeypatch, tiny_gemma3(0), ids, nxt, prerope=True, v_group=32, k_group=32, k_block=16)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    mask = torch.ones(2, 150, dtype=torch.long)
+    mask[1, :25] = 0
+    kw = dict(batch_mask=mask) if arch == "llama" else dict(make=tiny_gemma3, prerope=True)
+    want = _decode_logits("reference", monkeypatch, ids, nxt, **kw)
+    got = _decode_logits("torch", monkeypatch, ids, nxt, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])

@@ -200,14 +200,20 @@ def test_pre_rope_prefix_with_a_post_rope_fold():
     check(layer, query(layer, 3, 2, torch.float16))
 
 
-def test_every_mix_of_width_classes():
-    """All 15 non-empty subsets of V classes x a rotation of K mixes, sorted and unsorted K blocks."""
+def width_mixes(H: int = 1):
+    """(layer, query) for all 15 non-empty subsets of V classes x a rotation of K mixes, sorted and unsorted
+    K blocks."""
     kmixes = [(0, 2, 4, 8, 16), (2,), (16,), (0, 8), (4, 16), (2, 4, 8)]
     subsets = [tuple(w for i, w in enumerate((2, 4, 8, 16)) if m >> i & 1) for m in range(1, 16)]
     for n, sub in enumerate(subsets):
-        layer = build(seed=n, B=2, H=1, T=90, D=64, n_c=2, vmix=(0,) + sub, kmix=kmixes[n % len(kmixes)],
+        layer = build(seed=n, B=2, H=H, T=90, D=64, n_c=2, vmix=(0,) + sub, kmix=kmixes[n % len(kmixes)],
                       sort_k=bool(n % 2))
-        check(layer, query(layer, 2, 1, torch.float32, seed=n))
+        yield layer, query(layer, 2, 1, torch.float32, seed=n)
+
+
+def test_every_mix_of_width_classes():
+    for layer, q in width_mixes():
+        check(layer, q)
 
 
 @pytest.mark.parametrize("split", [64, 128])
