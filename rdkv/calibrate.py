@@ -91,9 +91,11 @@ def swap_in(full, compressed: TriZoneCache, layers):
     return hybrid
 
 
-def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Mean KL(ref || got) over positions, from log-probabilities [L, V]."""
-    return float((ref.exp() * (ref - got)).sum(-1).mean())
+def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean KL(ref || got) of next-token distributions over positions, from logits or log-probabilities
+    [..., V] (normalised here, which leaves log-probabilities as they are)."""
+    p, q = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
@@ -114,7 +116,7 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
                     continue
                 got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
             ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
-            out += [(key, d, _kl(ref, lp)) for key, d, lp in got]
+            out += [(key, d, kl(ref, lp)) for key, d, lp in got]
     return out
 
 
@@ -218,7 +220,7 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
                     return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
 
             ref = through(copy.deepcopy(full))
-            layer_kl = [_kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
+            layer_kl = [kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
             kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
             distortion = distortion + torch.tensor(cache.layer_distortion, dtype=torch.float64)
     gains = (kls.clamp_min(0) / distortion.clamp_min(1e-30)).clamp_min(1e-12) ** power

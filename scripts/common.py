@@ -212,12 +212,6 @@ def dense_probs(st, q: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Ten
     return s.masked_fill(~allowed_keys(q_pos, k_pos, st.sliding_window), float("-inf")).softmax(-1), k_pos
 
 
-def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """Mean KL(ref || got) of next-token distributions over positions."""
-    p, q = ref.log_softmax(-1), got.log_softmax(-1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
-
-
 def token_margins(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per answer token (the last ``n_ans`` of ``tail``): its logit minus the best other token's, and that
     rival's id. Negative exactly where the argmax misses; near 0 where any small perturbation flips it."""

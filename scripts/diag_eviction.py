@@ -15,7 +15,8 @@ import copy
 import torch
 
 import rdkv
-from common import forward, header, kl, parser, probe_inputs, publish, split_method, table
+from common import forward, header, parser, probe_inputs, publish, split_method, table
+from rdkv.calibrate import kl
 
 
 def question_mass_on(st, evicted: torch.Tensor, n_q: int) -> float:

@@ -17,7 +17,8 @@ import math
 
 import torch
 import rdkv
-from common import calibration_texts, compressions, feeder, forward, header, kl, parser, publish, split_method, table
+from common import calibration_texts, compressions, feeder, forward, header, parser, publish, split_method, table
+from rdkv.calibrate import kl
 from eval_perplexity import nll, prefills
 
 

@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 import rdkv
 from rdkv.calibrate import plain_prefill, swap_in
-from common import (compressions, dense_probs, domain_text, feeder, header, kl, parser, publish, table,
+from common import (compressions, dense_probs, domain_text, feeder, header, parser, publish, table,
                     weight_window)
+from rdkv.calibrate import kl
 
 
 def width_shares(layer) -> dict[str, float]:

@@ -24,8 +24,9 @@ from tqdm import tqdm
 import torch
 
 import rdkv
-from common import (calibration_texts, domain_text, forward, full_reference, header, kl, parser, split_method, table,
+from common import (calibration_texts, domain_text, forward, full_reference, header, parser, split_method, table,
                     write)
+from rdkv.calibrate import kl
 from rdkv.dense import allowed_keys
 from rdkv.reference import partial_attention
 

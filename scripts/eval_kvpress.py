@@ -41,8 +41,9 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import (answer_scores, by_depth, compressions, forward, full_reference, header, kl, needs_all_queries, parser,  # noqa: E402
+from common import (answer_scores, by_depth, compressions, forward, full_reference, header, needs_all_queries, parser,  # noqa: E402
                     probe_inputs, table, write)
+from rdkv.calibrate import kl  # noqa: E402
 
 PRESSES = {
     "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),

@@ -37,7 +37,8 @@ from statistics import mean, median
 from typing import Any
 
 import torch
-from common import RESULTS, domain_text, forward, header, kl, parser, publish, table
+from common import RESULTS, domain_text, forward, header, parser, publish, table
+from rdkv.calibrate import kl
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -23,8 +23,9 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, compressions, domain_text, feeder, fitted_gains, forward, header, kl,
+from common import (add_tune_prior, compressions, domain_text, feeder, fitted_gains, forward, header,
                     needs_all_queries, parser, table, tune_prior, write)
+from rdkv.calibrate import kl
 
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:

@@ -17,8 +17,9 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, answer_scores, by_depth, compressions, fitted_gains, forward, full_reference, header, kl,
+from common import (add_tune_prior, answer_scores, by_depth, compressions, fitted_gains, forward, full_reference, header,
                     needs_all_queries, parser, probe_inputs, table, tune_prior, write)
+from rdkv.calibrate import kl
 
 
 def main() -> None:

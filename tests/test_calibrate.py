@@ -147,7 +147,9 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     from conftest import tiny_gemma3
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from common import feeder, kl
+    from common import feeder
+
+    from rdkv.calibrate import kl
     from rdkv.calibrate import plain_prefill, swap_in
     from rdkv.distortion import cache_options, modelled_distortion
 

@@ -9,6 +9,7 @@ import torch
 
 import rdkv
 from conftest import tiny_gemma3, tiny_llama
+from rdkv.calibrate import kl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import common  # noqa: E402
@@ -24,8 +25,9 @@ def test_scores_and_kl():
     assert not em and margin == -0.5
     probes = [{"depth": 0.1, "margin": 1.0}, {"depth": 0.1, "margin": -0.5}, {"depth": 0.5, "margin": 2.0}]
     assert common.by_depth(probes, [0.1, 0.5, 0.9]) == "+0.25 +2 -"  # mean per depth; no probe at 0.9
-    assert common.kl(logits, logits) == 0.0
-    assert common.kl(logits, logits.flip(0)) > 1.0
+    assert kl(logits, logits) == 0.0
+    assert kl(logits, logits.flip(0)) > 1.0
+    assert abs(kl(logits.log_softmax(-1), logits.flip(0)) - kl(logits, logits.flip(0))) < 1e-6  # logits or log-probs
 
 
 def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit():
@@ -76,9 +78,9 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     assert {model._rdkv_state.layers[i].sliding_window is None for i in range(n)} == {True, False}
     assert torch.allclose(through(swap_in(full, c, range(n))), own, atol=1e-5)
     assert torch.allclose(through(swap_in(full, c, [])), ref, atol=1e-5)
-    assert common.kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
-    one = [common.kl(ref, through(swap_in(full, c, [i]))) for i in range(n)]
-    assert all(0 < x < common.kl(ref, own) for x in one)
+    assert kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
+    one = [kl(ref, through(swap_in(full, c, [i]))) for i in range(n)]
+    assert all(0 < x < kl(ref, own) for x in one)
 
 
 def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():

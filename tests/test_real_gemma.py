@@ -10,7 +10,7 @@ from pydoc_data.topics import topics
 import rdkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from common import kl  # noqa: E402
+from rdkv.calibrate import kl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
