@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 
 from . import quant, rope
+from .dense import allowed_keys
 from .reference import queries
 from .trizone import V_CLASSES, TriZoneLayer
+
 
 def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """Unpack ``bits``-bit codes uint8 [R, C * bits / 8] into float32 ``out`` [R, C] (quant.pack's layout).
@@ -155,9 +157,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
         s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))
-        ok = (c_pos <= q_pos[:, None]).unsqueeze(0)
-        if window is not None:
-            ok = ok & (q_pos[:, None] - c_pos < window)
+        ok = allowed_keys(q_pos, c_pos, window).unsqueeze(0)
         if m is not None:
             ok = ok & m[:, :, layer.c_start : seq]
         scores.append((s, ok))

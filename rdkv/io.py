@@ -123,7 +123,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     """Read a cache written by :func:`save`, verify it, and place its tensors on ``device``.
 
     Raises :class:`rdkv.RDKVError` for a missing path and :class:`rdkv.CorruptFile` saying what is wrong
-    with the file (truncated, not a cache, another format version, missing tensors, or a checksum mismatch) rather than returning a cache that could
+    with the file (truncated, not a cache, another format version, missing tensors, or a checksum mismatch)
+    rather than returning a cache that could
     decode wrong tokens.
     """
     path = os.fspath(path)

@@ -241,7 +241,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
     zero fp16), bit-identical on every backend.
 
     ``axis=-1`` (V rows): x [..., n * group] -> packed [..., n * group * bits / 8], scale/zero [..., n]; the
-    same as :func:`quantize` on ``x.unflatten(-1, (-1, group))`` then :func:`rdkv.quant.pack`. ``axis=0`` (K): x [R, C],
+    same as :func:`rdkv.quant.quantize` on ``x.unflatten(-1, (-1, group))`` then :func:`rdkv.quant.pack`. ``axis=0`` (K): x [R, C],
     groups of ``group`` rows per channel, restarting at every segment of ``segments`` (row counts summing to
     R; default one) -> packed [R, C * bits / 8] (codes packed along C), scale/zero [groups, C].
 
