@@ -1,29 +1,25 @@
-"""Public entry points: ``attach`` an attention path, prefill as usual, then ``compress``."""
+"""Public entry point: ``compress`` the record of a prefill (:func:`rdkv.record`) under a byte budget."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import quant
-from .attention import rdkv_attention
-from .record import RDKVState
-from .distortion import (EVICT_TO, MODELS, LayerTables, fixed_bytes, joint_reprice, layer_distortion, layer_tables,
+from .records import Record
+from .distortion import (EVICT_TO, MODELS, Calibration, JointEviction, LayerTables, layer_distortion, layer_tables,
                          modelled_distortion)
 from .methods import AUTO, BASELINE_SPECS, BASELINES, FIXED_RATE, METHODS, RDKV_VARIANTS, SNAP_WINDOW, LayerInput
-from .errors import BudgetInfeasible, NotRecorded, RDKVError
+from .errors import BudgetInfeasible, RDKVError
 from .fold import FoldPolicy
-from .rope import pair_mean, rope_bytes, rope_table, rotate
-from .trizone import PackSpec, TriZoneCache, pack_choice
+from .rope import pair_mean, rope_table, rotate
+from .trizone import PackSpec, TriZoneCache, TriZoneLayer, fixed_bytes, fp16_bytes, pack_choice
 from .weights import FORMS, layer_sums, lifetime, per_visible, window_queries
 from .solvers.allocate import allocate
 from .solvers.mckp import Infeasible
 
-NAME = "rdkv"
-DEFAULT_WINDOW = 64  # window queries compress weighs by default (attach records 256; rdkv-w256 uses them all)
+DEFAULT_WINDOW = 64  # window queries compress weighs by default (a record keeps 256; rdkv-w256 uses them all)
 
 
 @dataclass(frozen=True)
@@ -31,7 +27,7 @@ class CompressConfig:
     """How ``compress`` estimates, prices and packs. Every field can be overridden by keyword."""
 
     weights: str = "window"  # "window" (last W prefill queries) or "all" (every prefill query, the paper's form)
-    window: int | None = None  # W: weigh by the last W prefill queries (None: 64, or all attach recorded if fewer)
+    window: int | None = None  # W: weigh by the last W prefill queries (None: 64, or all the record kept if fewer)
     window_sliding: int | None = None  # W for sliding-window layers (Gemma 3's local layers); None: ``window``
     distortion: str = "output"  # "output" (attention-output error, one unit for K and V) or "paper"
     evict_to: str = "heavy"  # what an evicted token's error is measured from (rdkv.distortion.EVICT_TO)
@@ -96,118 +92,12 @@ class CompressConfig:
         return self.window_sliding if sliding and self.window_sliding else self.window
 
 
-def attach(model: torch.nn.Module, window: int = 256, all_queries: bool = False) -> torch.nn.Module:
-    """Install rdkv's attention path on ``model`` (in place) and return it.
-
-    Prefill then runs exact attention and keeps what the weight estimator needs: the last ``window``
-    queries (observation-window weights, the default; compress weighs the last 64 of them unless told
-    otherwise) and, with ``all_queries=True``, attention sums
-    over every prefill query (the paper's form; prefill then computes attention in chunks itself
-    instead of through SDPA). Decoding on a compressed cache runs the TriZone decode.
-    """
-    if not isinstance(window, int) or window < 1:
-        raise RDKVError(f"window must be a positive int, got {window!r}")
-    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
-    if not mods or not hasattr(model, "set_attn_implementation"):
-        raise RDKVError(
-            f"{type(model).__name__} has no transformers attention modules (layer_idx, num_key_value_groups): "
-            "rdkv serves transformers decoders such as Llama, Qwen, Mistral and Gemma 3"
-        )
-    AttentionInterface.register(NAME, rdkv_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    for h in model.__dict__.pop("_rdkv_hooks", []):  # re-attaching replaces the previous state and hooks
-        h.remove()
-    state = RDKVState(window=window, all_queries=all_queries)
-    for m in mods:
-        m._rdkv_state = state
-    model._rdkv_state = state
-    model._rdkv_hooks = _record_tokens(model, state)
-    if getattr(model.config, "_attn_implementation", None) != NAME:
-        model._rdkv_previous_attn = model.config._attn_implementation
-        model.set_attn_implementation(NAME)
-    return model
-
-
-def _record_tokens(model: torch.nn.Module, state: RDKVState) -> list:
-    """Hooks that keep the prefill's token ids and final hidden states, from which ``compress`` can
-    compute each token's surprisal (-log p under the model) without the user keeping all logits."""
-    norm = getattr(model.get_decoder(), "norm", None)
-    if norm is None or model.get_output_embeddings() is None:
-        return []
-
-    def before(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        state.recording = not isinstance(cache, TriZoneCache) and ids is not None
-        if not state.recording:
-            return
-        state.surprisal = None
-        fresh = cache is None or cache.get_seq_length() == 0
-        state.ids = ids.detach() if fresh or state.ids is None else torch.cat([state.ids, ids.detach()], 1)
-        if fresh:
-            state.hidden = None
-
-    def after(module, args, out):
-        if state.recording:
-            h = out.detach()
-            state.hidden = h if state.hidden is None else torch.cat([state.hidden, h], 1)
-
-    return [model.register_forward_pre_hook(before, with_kwargs=True), norm.register_forward_hook(after)]
-
-
-def surprisal(model: torch.nn.Module, chunk: int = 64) -> torch.Tensor:
-    """-log p(x_t | x_<t) of every prefill token [B, T] (the first token gets the mean); computed once
-    per prefill from the recorded final hidden states."""
-    state = _state(model)
-    if state.surprisal is not None:
-        return state.surprisal
-    if state.hidden is None or state.ids is None or state.hidden.shape[1] != state.ids.shape[1]:
-        raise RDKVError("no token record for the last prefill (it needs input_ids, not inputs_embeds, and a model "
-                        "with a final norm and an output head): prefill with input_ids or pass surprisal=0")
-    head, ids, h = model.get_output_embeddings(), state.ids, state.hidden
-    out = torch.zeros(ids.shape, device=h.device)
-    for a in range(0, ids.shape[1] - 1, chunk):
-        b = min(a + chunk, ids.shape[1] - 1)
-        logp = head(h[:, a:b]).float().log_softmax(-1)
-        out[:, a + 1 : b + 1] = -logp.gather(-1, ids[:, a + 1 : b + 1, None]).squeeze(-1)
-    out[:, 0] = out[:, 1:].mean(1) if ids.shape[1] > 1 else 0.0
-    state.surprisal = out
-    return out
-
-
-def detach(model: torch.nn.Module) -> torch.nn.Module:
-    """Restore the attention implementation ``attach`` replaced and drop rdkv's state."""
-    state = getattr(model, "_rdkv_state", None)
-    if state is None:
-        raise RDKVError("model is not attached")
-    for m in model.modules():
-        if getattr(m, "_rdkv_state", None) is state:
-            del m._rdkv_state
-    for h in model.__dict__.pop("_rdkv_hooks", []):
-        h.remove()
-    model.set_attn_implementation(model.__dict__.pop("_rdkv_previous_attn", "sdpa"))
-    return model
-
-
-def release(model: torch.nn.Module) -> None:
-    """Forget the last prefill's statistics, its token record and its references to the uncompressed cache."""
-    state = _state(model)
-    state.layers.clear()
-    state.ids = state.hidden = state.surprisal = None
-
-
-def _attached(model: torch.nn.Module) -> RDKVState:
-    state = getattr(model, "_rdkv_state", None)
-    if state is None:
-        raise NotRecorded("model is not attached: call rdkv.attach(model) before the prefill, then compress")
-    return state
-
-
-def _state(model: torch.nn.Module) -> RDKVState:
-    state = _attached(model)
-    if not state.layers:
-        raise NotRecorded("no prefill seen since attach: run model(input_ids, use_cache=True) first, then compress")
-    return state
+def _checked(rec: Record) -> Record:
+    if not isinstance(rec, Record):
+        raise RDKVError(f"compress takes the record of a prefill, got {type(rec).__name__}: "
+                        "`with rdkv.record(model) as rec: model(ids, use_cache=True)`, then rdkv.compress(rec, budget)")
+    rec.check()
+    return rec
 
 
 def _config(config: CompressConfig | None, overrides: dict) -> CompressConfig:
@@ -225,7 +115,8 @@ def _config(config: CompressConfig | None, overrides: dict) -> CompressConfig:
     return cfg
 
 
-def _check_budget(budget) -> float:
+def check_budget(budget) -> float:
+    """``budget`` as a float in (0, 1], or an error that says what a budget is."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise RDKVError(f"budget must be a number in (0, 1] (a fraction of the fp16 cache bytes), got {budget!r}")
     if math.isnan(budget) or not 0 < budget <= 1:
@@ -233,11 +124,12 @@ def _check_budget(budget) -> float:
     return float(budget)
 
 
-def _dtype16(model: torch.nn.Module) -> torch.dtype:
+def dtype16(model: torch.nn.Module) -> torch.dtype:
+    """The 16-bit dtype a cache of ``model`` keeps its 16-bit rows in: bf16 for a bf16 model, else fp16."""
     return torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float16
 
 
-def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def held_cache(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Layer ``i``'s cached k, v (float32) and the first position a future query can still see."""
     start = st.start if st.sliding_window is None else max(st.start, st.seen - st.sliding_window + 1)
     k = st.key[..., start - st.start :, :].float()
@@ -249,13 +141,11 @@ def _held(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return k, v, start
 
 
-def _fixed(heads: int, head_dim: int, cfg: CompressConfig) -> int:
-    """Per-sequence bytes of one layer independent of the allocation, with ``prerope``'s RoPE table charged
-    to every sequence of the batch (conservative for batch > 1)."""
-    return fixed_bytes(heads, head_dim, cfg.spec) + (rope_bytes(head_dim) if cfg.prerope else 0)
-
-
-def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None) -> LayerTables:
+def rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.Tensor | None,
+                 gain: float = 1.0) -> LayerTables:
+    """The solver tables of one layer's held cache (:func:`held_layer`) under ``cfg``: weights from the
+    record's statistics, the prior (``surprise``: :func:`pooled_surprisal`), protected sinks and recent
+    tokens, and joint eviction pricing when asked; ``gain`` scales the layer in a global knapsack."""
     window = cfg.layer_window(st.sliding_window is not None)
     sums = layer_sums(st, cfg.weights, start, window)
     if cfg.visible and cfg.weights == "window":
@@ -273,115 +163,111 @@ def _rdkv_tables(st, k, v, start, present, cfg: CompressConfig, surprise: torch.
     if cfg.horizon and st.sliding_window is not None:
         life = lifetime(torch.arange(start, st.seen, device=k.device), st.seen, st.sliding_window, cfg.horizon)
         sums.mass2, prior = sums.mass2 * life, prior * life
-    t = layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to,
-                     cfg.q_floor)
-    t.fixed = _fixed(k.shape[1], k.shape[-1], cfg)
     pos = torch.arange(start, st.seen, device=k.device)
     # sinks are the sequence's first real (unpadded) tokens: a sliding-window layer that no longer holds them
     # protects none, not the oldest tokens it holds, which are about to leave its window
     first = (st.valid.cumsum(-1)[:, None, start:] <= cfg.sinks).expand_as(present)
-    protect = (first & present) | (pos >= st.seen - cfg.recent) | (not cfg.evict)
-    t.dv[..., 0] = torch.where(protect, float("inf"), t.dv[..., 0])
+    protect = first | (pos >= st.seen - cfg.recent) | (not cfg.evict)
+    joint = None
     if cfg.evict_jointly:
         q, q_pos = window_queries(st, window)
-        key = st.key[..., start - st.start :, :]  # as the queries saw them (rotated, even with prerope)
-        t.reprice = joint_reprice(t, q, key, v, q_pos, torch.arange(start, st.seen, device=q.device), st.scaling,
-                                  st.sliding_window, st.softcap)
-    return t
+        # the keys as the queries saw them (rotated, even with prerope)
+        joint = JointEviction(q, st.key[..., start - st.start :, :], q_pos, pos, st.sliding_window, st.softcap)
+    return layer_tables(k, v, present, sums, st.scaling, cfg.spec, st.seen, cfg.distortion, prior, cfg.evict_to,
+                        cfg.q_floor, protect=protect, fixed=fixed_bytes(k.shape[1], k.shape[-1], cfg.spec, cfg.prerope),
+                        gain=gain, joint=joint)
 
 
-def resolve_method(model: torch.nn.Module, method: str, overrides: dict) -> tuple[str, dict]:
-    """``"auto"`` -> (the RDKV preset for ``model``'s attention layout, its options merged under ``overrides``);
+def resolve_method(rec: Record, method: str, overrides: dict) -> tuple[str, dict]:
+    """``"auto"`` -> (the RDKV preset for the recorded model's attention layout, its options merged under ``overrides``);
     any other name is returned as given.
 
     Models that mix sliding-window and global layers (``layer_types`` in the config, as Gemma 3 has) get
     ``rdkv-hybrid``: on Gemma 3 270M it is the one preset that met both goals of docs/experiments.md, where
     plain ``rdkv`` raised prose perplexity 5.7% at 25%. Every other model gets ``rdkv``. The preset's query
-    windows are capped at what ``attach`` recorded, so ``auto`` works with any attach window.
+    windows are capped at what the record kept, so ``auto`` works with any record window.
     """
     if method != AUTO:
         return method, overrides
-    state = _attached(model)
-    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    kinds = set(getattr(rec.model.config.get_text_config(), "layer_types", None) or ())
     name = "rdkv-hybrid" if {"sliding_attention", "full_attention"} <= kinds else "rdkv"
-    preset = {k: min(v, state.window) if k in ("window", "window_sliding") else v for k, v in RDKV_VARIANTS[name].items()}
+    preset = {k: min(v, rec.window) if k in ("window", "window_sliding") else v for k, v in RDKV_VARIANTS[name].items()}
     return name, {**preset, **overrides}
 
 
-def priced_options(model: torch.nn.Module, method: str, config: CompressConfig | None, overrides: dict) -> dict:
-    """The options a compress call with these arguments is priced with: the method's preset, then the prior
-    ``rdkv.tune_prior`` stored on ``model`` (RDKV methods without a config or a prior of their own), then the
-    call's own options."""
-    if method not in RDKV_VARIANTS:
-        return {**BASELINE_SPECS.get(method, {}), **overrides}
-    overrides = {**RDKV_VARIANTS[method], **overrides}
-    tuned = getattr(model, "_rdkv_prior", None)
-    if tuned is not None and config is None and not {"floor", "surprisal"} & set(overrides):
-        overrides = {"floor": tuned.floor, "surprisal": tuned.surprisal, **overrides}
-    return overrides
+def priced_options(method: str, overrides: dict) -> dict:
+    """The options a compress call with these arguments is priced with: the method's preset (or a baseline's
+    group sizes), then the call's own options."""
+    return {**(RDKV_VARIANTS.get(method) or BASELINE_SPECS.get(method, {})), **overrides}
 
 
-def options_key(method: str, config: CompressConfig | None, overrides: dict) -> tuple:
-    """What makes two compress calls price alike (a calibration is valid for one key only): the method, the
-    config and the options with the method's preset merged in, so ``auto`` and the preset it names agree."""
-    merged = {**RDKV_VARIANTS.get(method, {}), **overrides}
-    return (method, repr(config), tuple(sorted((k, repr(v)) for k, v in merged.items())))
+def options_key(method: str, config: CompressConfig | None, overrides: dict) -> tuple[str, CompressConfig]:
+    """What makes two compress calls price alike (a calibration is valid for one key only): the method and the
+    config it resolves to, with the method's preset merged in, so ``auto`` and the preset it names agree and
+    options compare by value (``floor=1`` is ``floor=1.0``, a default given explicitly is the default)."""
+    return (method, _config(config, priced_options(method, overrides)))
 
 
 @torch.no_grad()
-def allocation_tables(model: torch.nn.Module, method: str = AUTO, config: CompressConfig | None = None,
+def allocation_tables(rec: Record, method: str = AUTO, config: CompressConfig | None = None,
                       **overrides) -> tuple[CompressConfig, list[LayerTables], list[int]]:
-    """What the solver sees for ``model``'s last prefill: (config, per-layer tables, fp16 bytes per
+    """What the solver sees for a recorded prefill: (config, per-layer tables, fp16 bytes per
     sequence). The budget of sequence b is budget x fp16[b]; see :func:`rdkv.solvers.allocate`."""
-    method, overrides = resolve_method(model, method, overrides)
+    method, overrides = resolve_method(_checked(rec), method, overrides)
     if method not in RDKV_VARIANTS:
         raise RDKVError(f"method {method!r} has no distortion model; use one of {', '.join(RDKV_VARIANTS)}")
-    cfg, _, fp16, tables, _ = _prepare(model, method, config, overrides)
+    cfg, _, fp16, tables, _ = _prepare(rec, method, config, overrides)
     return cfg, tables, fp16
 
 
-def _prepare(model, method: str, config: CompressConfig | None, overrides: dict):
-    """Validate, gather each layer's held cache (keys un-rotated with ``prerope``), and build the solver
-    tables (RDKV variants only). Returns (config, held, fp16 bytes, tables, RoPE tables or Nones)."""
+def method_config(method: str, config: CompressConfig | None, overrides: dict, recorded_window: int) -> CompressConfig:
+    """The validated config a compress call prices with, for a record that kept ``recorded_window`` queries."""
     if method not in METHODS:
         raise RDKVError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    cfg = _config(config, priced_options(model, method, config, overrides))
-    state = _state(model)
+    cfg = _config(config, priced_options(method, overrides))
     for name in ("window", "window_sliding"):
         w = getattr(cfg, name)
-        if w is not None and w > state.window:
-            raise RDKVError(f"{name}={w} but attach recorded only the last {state.window} prefill queries: "
-                            f"attach with rdkv.attach(model, window={w}) and prefill again")
-    cfg = replace(cfg, window=cfg.window or min(DEFAULT_WINDOW, state.window))
-    n_layers = getattr(model.config.get_text_config(), "num_hidden_layers", len(state.layers))
-    if sorted(state.layers) != list(range(n_layers)):
-        raise RDKVError(f"prefill statistics cover layers {sorted(state.layers)} of {n_layers}: prefill again after attach")
-    held, ropes = [], []
-    for i in range(n_layers):
-        st = state.layers[i]
-        cfg.spec.check(st.key.shape[-1])
-        k, v, start = _held(st, i)
-        rope = None
-        if cfg.prerope:
-            pos = torch.arange(start, st.seen, device=k.device)
-            rope = rope_table(model, i, k.shape[-1], pos)
-            k = rotate(k, pos, rope, inverse=True)
-        held.append((st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3])))
-        ropes.append(rope)
-    # fp16 bytes of what the cache holds, per sequence: K and V rows of 2 * head_dim bytes each
-    fp16 = [sum(int(p[b].sum()) * 4 * k.shape[-1] for _, k, _, _, p in held) for b in range(held[0][1].shape[0])]
+        if w is not None and w > recorded_window:
+            raise RDKVError(f"{name}={w} but the record kept only the last {recorded_window} prefill queries: "
+                            f"record with rdkv.record(model, window={w}) and prefill again")
+    return replace(cfg, window=cfg.window or min(DEFAULT_WINDOW, recorded_window))
+
+
+def held_layer(model: torch.nn.Module, st, i: int, cfg: CompressConfig):
+    """Layer ``i``'s held cache as compress packs it: ((stats, k, v, start, present), RoPE table or None),
+    keys un-rotated with ``prerope``."""
+    cfg.spec.check(st.key.shape[-1])
+    k, v, start = held_cache(st, i)
+    rope = None
+    if cfg.prerope:
+        pos = torch.arange(start, st.seen, device=k.device)
+        rope = rope_table(model, i, k.shape[-1], pos)
+        k = rotate(k, pos, rope, inverse=True)
+    return (st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3])), rope
+
+
+def pooled_surprisal(rec: Record, cfg: CompressConfig) -> torch.Tensor | None:
+    """Each prefill token's surprisal [B, T], max-pooled over ``cfg.pool`` neighbours so a whole improbable span
+    counts, not one word; None when the prior does not use it."""
+    if cfg.surprisal <= 0:
+        return None
+    return torch.nn.functional.max_pool1d(rec.surprisal().unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
+
+
+def _prepare(rec: Record, method: str, config: CompressConfig | None, overrides: dict):
+    """Validate, gather each layer's held cache, and build the solver tables (RDKV variants only).
+    Returns (config, held, fp16 bytes, tables, RoPE tables or Nones)."""
+    cfg = method_config(method, config, overrides, rec.window)
+    held, ropes = zip(*(held_layer(rec.model, rec.layers[i], i, cfg) for i in range(len(rec.layers))))
+    # fp16 bytes of what the cache holds, per sequence
+    fp16 = [sum(fp16_bytes(int(p[b].sum()), k.shape[-1]) for _, k, _, _, p in held) for b in range(held[0][1].shape[0])]
     tables = None
     if method in RDKV_VARIANTS:
-        surprise = None
-        if cfg.surprisal > 0:  # pooled over neighbours so a whole improbable span counts, not one word
-            s = surprisal(model)
-            surprise = torch.nn.functional.max_pool1d(s.unsqueeze(1), cfg.pool, 1, cfg.pool // 2).squeeze(1)
-        tables = [_rdkv_tables(st, k, v, start, p, cfg, surprise) for st, k, v, start, p in held]
-        if cfg.layer_gains is not None:
-            if len(cfg.layer_gains) != n_layers:
-                raise RDKVError(f"layer_gains has {len(cfg.layer_gains)} entries for a model of {n_layers} layers")
-            for t, g in zip(tables, cfg.layer_gains):
-                t.dv, t.dk = t.dv * g, t.dk * g
+        surprise = pooled_surprisal(rec, cfg)
+        gains = cfg.layer_gains or (1.0,) * len(held)
+        if len(gains) != len(held):
+            raise RDKVError(f"layer_gains has {len(gains)} entries for a model of {len(held)} layers")
+        tables = [rdkv_tables(st, k, v, start, p, cfg, surprise, g) for (st, k, v, start, p), g in zip(held, gains)]
     return cfg, held, fp16, tables, ropes
 
 
@@ -406,29 +292,48 @@ def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, pa
     return hi
 
 
+def pack_held(held: tuple, v_opt: torch.Tensor, k_opt: torch.Tensor, perm: torch.Tensor, spec: PackSpec,
+              dtype16: torch.dtype, rope: torch.Tensor | None) -> TriZoneLayer:
+    """Pack one layer's held cache (:func:`held_layer`) at the chosen options, with its RoPE table if pre-RoPE."""
+    st, k, v, start, _ = held
+    layer = pack_choice(k, v, start, v_opt, k_opt, perm, spec, dtype16, st.sliding_window, st.seen)
+    if rope is not None:
+        layer.t["rope"] = rope
+    return layer
+
+
+def set_fold(cache: TriZoneCache, fold: int | FoldPolicy | None) -> None:
+    """``fold=R``: fold every R generated tokens at the cache's own fraction of the fp16 bytes."""
+    if fold is not None:
+        if not isinstance(fold, FoldPolicy):
+            budget = cache.budget if cache.budget is not None else cache.nbytes / cache.fp16_bytes
+            fold = FoldPolicy(every=fold, budget=budget)
+        cache.set_fold(fold)
+
+
 @torch.no_grad()
-def compress(model: torch.nn.Module, budget: float | None = None, *, method: str = AUTO,
+def compress(rec: Record, budget: float | None = None, *, method: str = AUTO,
              config: CompressConfig | None = None, fold: int | FoldPolicy | None = None,
-             error: float | None = None, **overrides) -> TriZoneCache:
-    """Compress the cache of ``model``'s last prefill into a :class:`TriZoneCache` of at most
-    ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
+             error: float | None = None, calibration: Calibration | None = None, **overrides) -> TriZoneCache:
+    """Compress the cache of a recorded prefill (:func:`rdkv.record`) into a :class:`TriZoneCache` of at
+    most ``budget`` x its fp16 bytes (every byte counted: codes, scales, zeros, indices).
 
     ``method`` is ``"rdkv"``, one of its variants or a baseline (:data:`rdkv.methods.METHODS`); all go
     through the same packer. The default ``"auto"`` picks the RDKV preset for the model's layout
     (:func:`resolve_method`: ``rdkv-hybrid`` when sliding-window and global layers mix, else ``rdkv``);
     ``cache.method`` names what ran. Fixed-rate baselines (int8, kivi2, ...) need no budget; given one, they
-    raise if they do not fit. The uncompressed cache and the model are left untouched, so one prefill
-    can be compressed many times; on any error nothing changes.
+    raise if they do not fit. The record, its uncompressed cache and the model are left untouched, so one
+    prefill can be compressed many times; on any error nothing changes.
 
     ``fold=R`` (or a :class:`rdkv.fold.FoldPolicy`) packs every R tokens generated after compression
     into the compressed zones at the same fraction of their fp16 bytes, so memory stays bounded over
     long generations; by default generated tokens stay in 16 bits (zone C).
 
     ``error=eps`` instead of a budget: the fewest bytes whose KL divergence from the full cache's
-    next-token distribution is predicted to be at most ``eps``, by the map :func:`rdkv.calibrate`
-    fitted on this model (RDKV methods only).
+    next-token distribution is predicted to be at most ``eps`` by ``calibration``, the map
+    :func:`rdkv.calibrate` fitted on this model for the same method and options (RDKV methods only).
     """
-    method, overrides = resolve_method(model, method, overrides)
+    method, overrides = resolve_method(_checked(rec), method, overrides)
     if error is not None:
         if budget is not None:
             raise RDKVError("give either budget= (bytes) or error= (predicted KL), not both")
@@ -436,27 +341,29 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             raise RDKVError(f"error= needs a distortion model; method {method!r} has none: use budget=")
         if isinstance(error, bool) or not isinstance(error, (int, float)) or not error > 0 or math.isinf(error):
             raise RDKVError(f"error must be a positive number (a KL in nats), got {error!r}")
-        cal = getattr(model, "_rdkv_calibration", None)
-        if cal is None:
-            raise RDKVError("error= needs a calibration of this model: call rdkv.calibrate(model, ids) once first")
-        if cal.key != options_key(method, config, priced_options(model, method, config, overrides)):
-            raise RDKVError(f"the model was calibrated for method {cal.method!r} with other options than this call's "
-                            f"({method!r}, {overrides or 'no options'}): calibrate with rdkv.calibrate(model, ids, "
+        if not isinstance(calibration, Calibration):
+            raise RDKVError("error= needs calibration=rdkv.calibrate(model, ids, ...) fitted on this model, got "
+                            f"{type(calibration).__name__}")
+        if calibration.key != options_key(method, config, overrides):
+            raise RDKVError(f"the calibration was fitted for method {calibration.method!r} with other options than this "
+                            f"call's ({method!r}, {overrides or 'no options'}): calibrate with rdkv.calibrate(model, ids, "
                             f"method={method!r}, ...) and the same options")
+    elif calibration is not None:
+        raise RDKVError("calibration= is for error=; with a byte budget it has nothing to do")
     elif budget is not None or method not in FIXED_RATE:
-        budget = _check_budget(budget)
-    cfg, held, fp16, tables, ropes = _prepare(model, method, config, overrides)
+        budget = check_budget(budget)
+    cfg, held, fp16, tables, ropes = _prepare(rec, method, config, overrides)
     spec = cfg.spec
     per_layer = None
     try:
         if tables is not None:
             if error is not None:
-                budget = _budget_for_error(tables, fp16, cfg.scope, cfg.passes, cal, error)
+                budget = _budget_for_error(tables, fp16, cfg.scope, cfg.passes, calibration, error)
             v_opt, k_opt = allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)
             per_layer = tuple(layer_distortion(tables, v_opt, k_opt))
             perms = [t.perm for t in tables]
         else:
-            fixed = [sum(_fixed(k.shape[1], k.shape[-1], cfg) for _, k, _, _, _ in held)] * len(fp16)
+            fixed = [sum(fixed_bytes(k.shape[1], k.shape[-1], spec, cfg.prerope) for _, k, _, _, _ in held)] * len(fp16)
             inputs = [LayerInput(k, p, layer_sums(st, "window", start, SNAP_WINDOW).mass, start, st.seen)
                       for st, k, v, start, p in held]
             budgets = [budget * f if budget is not None else float("inf") for f in fp16]
@@ -464,16 +371,10 @@ def compress(model: torch.nn.Module, budget: float | None = None, *, method: str
             perms = [torch.arange(k.shape[-1], device=k.device).expand(*k.shape[:2], -1) for _, k, _, _, _ in held]
     except Infeasible as e:
         raise BudgetInfeasible(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
-    layers = [pack_choice(k, v, start, vo, ko, perm, spec, _dtype16(model), st.sliding_window, st.seen)
-              for (st, k, v, start, _), vo, ko, perm in zip(held, v_opt, k_opt, perms)]
-    for layer, rope in zip(layers, ropes):
-        if rope is not None:
-            layer.t["rope"] = rope
+    layers = [pack_held(h, vo, ko, perm, spec, dtype16(rec.model), rope)
+              for h, vo, ko, perm, rope in zip(held, v_opt, k_opt, perms, ropes)]
     cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, method=method, layer_distortion=per_layer)
-    if fold is not None:
-        if not isinstance(fold, FoldPolicy):
-            fold = FoldPolicy(every=fold, budget=budget if budget is not None else cache.nbytes / cache.fp16_bytes)
-        cache.set_fold(fold)
+    set_fold(cache, fold)
     if budget is not None and cache.nbytes > budget * cache.fp16_bytes:
         if method in FIXED_RATE:
             raise BudgetInfeasible(f"{method} needs {cache.nbytes / cache.fp16_bytes:.4f} of the fp16 bytes, more than the "

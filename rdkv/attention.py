@@ -1,59 +1,174 @@
-"""The attention function rdkv registers with transformers.
+"""rdkv's transformers adapter: the attention function it registers, and the prefill record.
 
-During prefill it computes ordinary causal attention in query chunks (memory O(T * chunk), never T x T)
-and, from the same probabilities, streams the sums the weight estimator needs: attention mass per key,
-and its square, and squared query norms per channel. On a compressed cache
+The ``"rdkv"`` attention implementation is torch SDPA (transformers' own) on ordinary caches. Inside
+``with record(model) as rec:`` it attends exactly and streams into ``rec`` what the weight estimator
+needs: the last queries, and with ``all_queries`` attention mass per key, its square and squared query
+norms per channel, computed in query chunks (memory O(T * chunk), never T x T). On a compressed cache
 (``cache.update`` returns the :class:`~rdkv.trizone.TriZoneLayer` itself) it runs the TriZone decode.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .decode import trizone_decode
 from .dense import AttentionSums, allowed_keys, attend
 from .errors import RDKVError
-from .record import LayerStats, RDKVState
-from .trizone import TriZoneLayer
+from .records import LayerStats, Record
+from .trizone import TriZoneCache, TriZoneLayer
+
+NAME = "rdkv"
 
 
-def _sdpa(q, k, v, q_pos, k_pos, scaling, window, mask) -> torch.Tensor:
-    """Plain attention output through torch SDPA (no statistics): the fast prefill path."""
-    ok = None
-    if mask is not None:
-        ok = mask
-    elif window is not None or q.shape[2] != k.shape[2]:
-        ok = allowed_keys(q_pos, k_pos, window)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=ok, is_causal=ok is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-    if mask is not None:  # rows that may attend to nothing (left padding) come out NaN
-        out = out.nan_to_num(0.0)
+def rdkv_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, except for a sliding-window layer's prefill from an empty cache without
+    padding: there no mask at all (None), and :func:`rdkv_attention` applies the window itself in query
+    chunks (:func:`_windowed`), instead of SDPA reading a [T, T] mask (1 GiB at 32k tokens)."""
+    q_length = kwargs.get("q_length") or len(kwargs.get("cache_position", ()))
+    pad = kwargs.get("attention_mask")
+    if (not args and kwargs.get("local_size") is not None and kwargs.get("allow_is_causal_skip", True)
+            and kwargs.get("kv_offset", 0) == 0 and kwargs.get("kv_length") == q_length > 1
+            and (pad is None or bool(pad.all()))):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """Causal sliding-window attention of q [B, Hq, T, D] over k, v [B, H, T, D] (the same T positions) in
+    chunks of ``window`` queries, each over the at most 2 x window keys it can see: exact, O(T x window)."""
+    T, out = q.shape[2], torch.empty_like(q)
+    for a in range(0, T, window):
+        b, lo = min(a + window, T), max(0, a - window + 1)
+        pos = torch.arange(lo, b, device=q.device)
+        ok = allowed_keys(pos[a - lo :], pos, window)
+        out[:, :, a:b] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], attn_mask=ok, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out
 
 
-def _record(state: RDKVState, module: torch.nn.Module, query, key, value, mask, scaling, window, softcap):
+def _sdpa(module: torch.nn.Module, query, key, value, mask, scaling: float, window: int | None, **kwargs) -> torch.Tensor:
+    """Attention output [B, Hq, L, D] as transformers' SDPA computes it (or :func:`_windowed` for the
+    unmasked sliding-window prefill that :func:`rdkv_mask` leaves to it)."""
+    if mask is None and window is not None and query.shape[2] == key.shape[2] > window:
+        return _windowed(query, key, value, scaling, window)
+    out = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, sliding_window=window, **kwargs)[0]
+    # a row that may attend to nothing (left padding) comes out NaN on some SDPA backends; its keys and values
+    # are never attended, but the record checks every held value is finite
+    return (out if mask is None else out.nan_to_num(0.0)).transpose(1, 2)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformers attention modules, or a clear error for a model rdkv cannot serve."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "num_key_value_groups")]
+    if not mods or not hasattr(model, "set_attn_implementation"):
+        raise RDKVError(
+            f"{type(model).__name__} has no transformers attention modules (layer_idx, num_key_value_groups): "
+            "rdkv serves transformers decoders such as Llama, Qwen, Mistral and Gemma 3"
+        )
+    return mods
+
+
+def install(model: torch.nn.Module) -> torch.nn.Module:
+    """Select the ``"rdkv"`` attention implementation on ``model`` (in place) and return it: SDPA on ordinary
+    caches, the TriZone decode on compressed ones. :func:`record` calls it; call it yourself to decode a
+    cache from :func:`rdkv.load` with a model that has recorded nothing."""
+    attention_modules(model)
+    AttentionInterface.register(NAME, rdkv_attention)
+    AttentionMaskInterface.register(NAME, rdkv_mask)
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        model.set_attn_implementation(NAME)
+    return model
+
+
+@contextmanager
+def record(model: torch.nn.Module, window: int = 256, all_queries: bool = False,
+           tokens: bool = True) -> Iterator[Record]:
+    """``with rdkv.record(model) as rec: model(ids, use_cache=True)`` records that prefill for
+    :func:`rdkv.compress`, which may then compress ``rec`` any number of times.
+
+    The record keeps each layer's last ``window`` queries (observation-window weights; compress weighs by
+    the last 64 unless told otherwise) and, with ``all_queries=True``, attention sums over every prefill
+    query (the paper's weights; prefill then runs its attention in chunks instead of through SDPA), and with
+    ``tokens`` the token ids and final hidden states the surprisal prior is computed from. It holds
+    references to the prefill's cache tensors, not copies: drop the record to free them. Forwards after the
+    block change nothing in it; the model keeps the ``"rdkv"`` attention implementation (:func:`install`).
+    """
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise RDKVError(f"window must be a positive int, got {window!r}")
+    mods = attention_modules(model)
+    if any(getattr(m, "_rdkv_record", None) is not None for m in mods):
+        raise RDKVError("a record of this model is already open: end its `with` block first")
+    install(model)
+    rec = Record(model, window, all_queries)
+    hooks = _record_tokens(model, rec) if tokens else []
+    for m in mods:
+        m._rdkv_record = rec
+    try:
+        yield rec
+    finally:
+        for m in mods:
+            del m._rdkv_record
+        for h in hooks:
+            h.remove()
+        rec.close()
+
+
+def _record_tokens(model: torch.nn.Module, rec: Record) -> list:
+    """Hooks that keep the prefill's token ids and final hidden states, from which compress computes each
+    token's surprisal (-log p under the model) without anyone keeping all logits."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None or model.get_output_embeddings() is None:
+        return []
+    recording = [False]
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        recording[0] = not isinstance(cache, TriZoneCache) and ids is not None
+        if recording[0]:
+            fresh = cache is None or cache.get_seq_length() == 0
+            rec.ids = ids.detach() if fresh or rec.ids is None else torch.cat([rec.ids, ids.detach()], 1)
+            if fresh:
+                rec.hidden = None
+
+    def after(module, args, out):
+        if recording[0]:
+            h = out.detach()
+            rec.hidden = h if rec.hidden is None else torch.cat([rec.hidden, h], 1)
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True), norm.register_forward_hook(after)]
+
+
+def _record(rec: Record, module: torch.nn.Module, query, key, value, mask, scaling, window, softcap):
     """Prefill/continuation on an ordinary cache: attend, and stream what the estimator needs into
-    ``state`` (all-query sums only when the model was attached with ``all_queries=True``)."""
+    ``rec`` (all-query sums only when recorded with ``all_queries=True``)."""
     layer = module.layer_idx
     L, Tk = query.shape[2], key.shape[2]
-    prev = state.layers.get(layer)
+    prev = rec.layers.get(layer)
     if prev is None and Tk != L:
-        raise RDKVError(f"layer {layer}: the cache already held {Tk - L} tokens that rdkv did not see (it was filled "
-                        "before rdkv.attach, or attach was called again since): prefill again from an empty cache")
+        raise RDKVError(f"layer {layer}: the cache already held {Tk - L} tokens that the record did not see (it was "
+                        "filled outside the `with rdkv.record(model)` block, or is a static cache longer than the prefill): "
+                        "prefill again from an empty DynamicCache")
     fresh = prev is None or Tk == L  # the cache held nothing before this call: a new prefill
     seen = L if fresh else prev.seen + L
     dev = query.device
     q_pos = torch.arange(seen - L, seen, device=dev)
     k_pos = torch.arange(seen - Tk, seen, device=dev)
     if mask is not None and mask.dtype != torch.bool:
-        raise RDKVError(f"rdkv attention expects a boolean mask, got {mask.dtype}; attach the model with rdkv.attach")
+        raise RDKVError(f"rdkv attention expects a boolean mask, got {mask.dtype}; select it with rdkv.install(model)")
     key, value, query = key.detach(), value.detach(), query.detach()
     B, H = key.shape[0], key.shape[1]
-    if state.all_queries or softcap is not None:
+    if rec.all_queries or softcap is not None:
         out, sums = attend(query, key, value, q_pos, k_pos, scaling, window, softcap, mask)
     else:
-        out, sums = _sdpa(query, key, value, q_pos, k_pos, scaling, window, mask), None
+        out, sums = _sdpa(module, query, key, value, mask, scaling, window), None
     total = None
-    if state.all_queries:
+    if rec.all_queries:
         sums = AttentionSums(*(x.detach() for x in (sums.mass, sums.mass2, sums.q2, sums.nq)))
         if fresh:
             z = sums.mass.new_zeros(B, H, seen)
@@ -66,12 +181,14 @@ def _record(state: RDKVState, module: torch.nn.Module, query, key, value, mask, 
     attended = mask[:, 0].any(1) if mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=dev)
     if fresh:
         valid = torch.zeros(B, seen, dtype=torch.bool, device=dev)
-        window_q = query[:, :, -state.window :]
+        window_q = query[:, :, -rec.window :]
     else:
         valid = torch.cat([prev.valid, prev.valid.new_zeros(B, L)], -1)
-        window_q = torch.cat([prev.window_q, query], 2)[:, :, -state.window :]
+        window_q = torch.cat([prev.window_q, query], 2)[:, :, -rec.window :]
     valid[:, seen - Tk :] |= attended
-    state.layers[layer] = LayerStats(key, value, seen, total, valid, window_q, scaling, window, softcap)
+    rec.layers[layer] = LayerStats(key, value, seen, total, valid, window_q, scaling, window, softcap)
+    if rec.on_layer is not None:
+        rec.on_layer(layer)
     return out.to(query.dtype)
 
 
@@ -92,10 +209,16 @@ def rdkv_attention(
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, TriZoneLayer):
         return trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask).transpose(1, 2), None
-    state = getattr(module, "_rdkv_state", None)
-    if state is None:
-        raise RDKVError("this attention module has no rdkv state: call rdkv.attach(model) instead of selecting 'rdkv' by hand")
+    rec = getattr(module, "_rdkv_record", None)
+    if rec is None and softcap is None:
+        return _sdpa(module, query, key, value, attention_mask, scaling, sliding_window, dropout=dropout,
+                     **kwargs).transpose(1, 2), None
     if dropout and module.training:
         raise RDKVError("rdkv attention is for inference: call model.eval() (dropout is not supported)")
-    out = _record(state, module, query, key, value, attention_mask, scaling, sliding_window, softcap)
+    if rec is None:  # SDPA cannot cap logits: exact chunked attention, positions relative to the cache
+        L, Tk = query.shape[2], key.shape[2]
+        pos = torch.arange(Tk, device=query.device)
+        out = attend(query, key, value, pos[Tk - L :], pos, scaling, sliding_window, softcap, attention_mask)[0]
+        return out.to(query.dtype).transpose(1, 2), None
+    out = _record(rec, module, query, key, value, attention_mask, scaling, sliding_window, softcap)
     return out.transpose(1, 2), None

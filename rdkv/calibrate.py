@@ -1,4 +1,4 @@
-"""An explicit error budget: ``compress(model, error=eps)`` asks for the fewest bytes whose predicted
+"""An explicit error budget: ``compress(rec, error=eps, calibration=cal)`` asks for the fewest bytes whose predicted
 KL divergence from the full cache's next-token distribution is at most ``eps``.
 
 The solver's objective is a modelled distortion: the expected squared attention-output error summed
@@ -6,8 +6,8 @@ over layers, per weight query (:func:`rdkv.distortion.modelled_distortion`). It 
 one to the other on the model itself: it prefills each calibration text, compresses it at several
 budgets, teacher-forces the text's continuation through each cache, and fits ``log KL = log a + p log D``:
 the slope p by least squares over all points, the intercept conservatively, so that no calibration point
-lies above the line (an error *budget* should hold, not hold on average). The fit is stored on the model
-and used by ``compress(error=...)``, which bisects the byte budget until the predicted KL of the
+lies above the line (an error *budget* should hold, not hold on average). The fit is returned, and
+``compress(error=..., calibration=...)`` bisects the byte budget until the predicted KL of the
 allocation meets ``eps``. How well the map transfers to other texts and lengths is measured, not assumed:
 ``scripts/eval_error_budget.py`` reports the rank correlation of D with measured KL and predicted vs
 measured KL at several ``eps``.
@@ -20,28 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import compress, options_key, priced_options, resolve_method
+from .api import CompressConfig, compress, options_key, priced_options, resolve_method
+from .attention import attention_modules, record
+from .distortion import Calibration
 from .errors import BudgetInfeasible, RDKVError
+from .records import Record
 from .trizone import TriZoneCache
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """KL ~= a * D^p, fitted on (modelled distortion, measured KL) pairs of one model."""
-
-    a: float
-    p: float
-    points: tuple[tuple[float, float], ...]  # (D, KL) the fit used
-    method: str = "rdkv"  # the compress method it was fitted for
-    key: tuple = ()  # rdkv.api.options_key of the calls it was fitted on; compress(error=) must match it
-
-    def predict(self, distortion: float) -> float:
-        return self.a * distortion**self.p if distortion > 0 else 0.0
-
-    def distortion_for(self, kl: float) -> float:
-        """The largest modelled distortion whose predicted KL is ``kl``, but never beyond the most distorted
-        calibration point: the fit is not extrapolated to allocations coarser than any it has seen."""
-        return min((kl / self.a) ** (1 / self.p), max(d for d, _ in self.points))
 
 
 def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | None = None) -> Calibration:
@@ -62,9 +46,8 @@ def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | No
     return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method, key)
 
 
-def _check_texts(model: torch.nn.Module, texts, prefix: float, what: str) -> list[torch.Tensor]:
-    if getattr(model, "_rdkv_state", None) is None:
-        raise RDKVError(f"model is not attached: call rdkv.attach(model) before rdkv.{what}")
+def _check_texts(model: torch.nn.Module, texts, prefix: float) -> list[torch.Tensor]:
+    attention_modules(model)
     texts = [texts] if isinstance(texts, torch.Tensor) else list(texts)
     for ids in texts:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 8:
@@ -98,25 +81,38 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+def _recorded(model: torch.nn.Module, ids: torch.Tensor, all_queries: bool = False,
+              plain: bool = False) -> tuple[Record, object]:
+    """A record of prefilling ``ids`` and that prefill's cache (:func:`plain_prefill`'s with ``plain``)."""
+    with record(model, all_queries=all_queries) as rec:
+        full = plain_prefill(model, ids) if plain else model(ids, use_cache=True, logits_to_keep=1).past_key_values
+    return rec, full
+
+
+def _all_queries(method: str, config: CompressConfig | None, options: dict) -> bool:
+    """Whether a compress call with these arguments weighs by every prefill query."""
+    return (config.weights if config is not None else priced_options(method, options).get("weights")) == "all"
+
+
 def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
              calls: list[tuple[object, float, dict]]) -> list[tuple[object, float, float]]:
-    """For each text: prefill its first ``prefix`` fraction, then for each (key, budget, compress kwargs)
-    compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
-    Budgets too small for a text are skipped. The user's record of their last prefill is restored."""
+    """For each text: record a prefill of its first ``prefix`` fraction, then for each (key, budget, compress
+    kwargs) compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
+    Budgets too small for a text are skipped."""
     out = []
-    with model._rdkv_state.kept():
-        for ids in texts:
-            n = int(ids.shape[1] * prefix)
-            full = model(ids[:, :n], use_cache=True, logits_to_keep=1).past_key_values
-            got = []
-            for key, b, kw in calls:
-                try:
-                    cache = compress(model, b, **kw)
-                except BudgetInfeasible:
-                    continue
-                got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
-            ref = model(ids[:, n:], past_key_values=copy.deepcopy(full)).logits[0].float().log_softmax(-1)
-            out += [(key, d, kl(ref, lp)) for key, d, lp in got]
+    every = any(_all_queries(kw.get("method", "rdkv"), kw.get("config"), kw) for _, _, kw in calls)
+    for ids in texts:
+        n = int(ids.shape[1] * prefix)
+        rec, full = _recorded(model, ids[:, :n], every)
+        got = []
+        for key, b, kw in calls:
+            try:
+                cache = compress(rec, b, **kw)
+            except BudgetInfeasible:
+                continue
+            got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
+        ref = model(ids[:, n:], past_key_values=full).logits[0].float().log_softmax(-1)
+        out += [(key, d, kl(ref, lp)) for key, d, lp in got]
     return out
 
 
@@ -124,19 +120,16 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
 def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
               budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "auto", **options) -> Calibration:
     """Fit the distortion-to-KL map on calibration token ids (one [1, T] tensor or a list of them; the first
-    ``prefix`` fraction of each is compressed, the rest teacher-forced) and store it on ``model`` for
-    ``compress(error=...)``. Texts unlike the ones you will compress make the bound more robust.
-
-    The attached model's record of the user's last prefill is kept: it is restored afterwards.
+    ``prefix`` fraction of each is compressed, the rest teacher-forced), for
+    ``compress(rec, error=eps, calibration=...)`` with the same ``method`` and options. Texts unlike the ones
+    you will compress make the bound more robust.
     """
-    texts = _check_texts(model, texts, prefix, "calibrate")
-    method, options = resolve_method(model, method, options)
+    texts = _check_texts(model, texts, prefix)
+    if method == "auto":  # resolved as compress resolves it for this model
+        method, options = resolve_method(Record(model), method, options)
     config = options.pop("config", None)
     pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, config=config, **options)) for b in budgets])
-    key = options_key(method, config, priced_options(model, method, config, options))
-    cal = fit([(d, kl) for _, d, kl in pairs], method, key)
-    model._rdkv_calibration = cal
-    return cal
+    return fit([(d, kl) for _, d, kl in pairs], method, options_key(method, config, options))
 
 
 # (floor, surprisal) candidates for tune_prior: today's default, two stronger reserves, and the one
@@ -152,22 +145,25 @@ class PriorFit:
     surprisal: float
     scores: tuple[tuple[float, float, float], ...]  # (floor, surprisal, mean log KL over texts and budgets)
 
+    @property
+    def options(self) -> dict[str, float]:
+        """The compress options it chose: ``rdkv.compress(rec, budget, **fit.options)``."""
+        return {"floor": self.floor, "surprisal": self.surprisal}
+
 
 @torch.no_grad()
 def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
                budgets: tuple[float, ...] = (0.1, 0.25), candidates: tuple[tuple[float, float], ...] = PRIORS,
                **options) -> PriorFit:
     """Pick the prior (``floor``, ``surprisal``: how much attention compress reserves for questions the
-    prefill did not ask) with the lowest mean log KL over calibration texts and budgets, and store it on
-    ``model``: later ``compress`` calls with ``method="rdkv"`` (or a variant that does not set its own
-    prior) and no ``config`` use it unless ``floor``/``surprisal`` are given. Gemma 3's prose windows
+    prefill did not ask) with the lowest mean log KL over calibration texts and budgets, for
+    ``compress(rec, budget, **fit.options)`` with ``method="rdkv"``. Gemma 3's prose windows
     wanted a stronger reserve than the default; on held-out calibration text both Gemma 3 and SmolLM2
     chose the default (docs/experiments.md, "Prior per model").
 
-    Mean log KL, not mean KL: every budget and text counts, not only the coarsest. The user's record of
-    their last prefill is restored afterwards.
+    Mean log KL, not mean KL: every budget and text counts, not only the coarsest.
     """
-    texts = _check_texts(model, texts, prefix, "tune_prior")
+    texts = _check_texts(model, texts, prefix)
     if not candidates or any(len(c) != 2 or min(c) < 0 for c in candidates):
         raise RDKVError(f"candidates must be (floor, surprisal) pairs of non-negative numbers, got {candidates!r}")
     if {"floor", "surprisal", "method", "config"} & set(options):
@@ -180,9 +176,7 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
         raise RDKVError("some budgets did not fit every calibration text: use longer texts or larger budgets")
     scores = tuple((c[0], c[1], sum(v) / len(v)) for c, v in logs.items())
     best = min(scores, key=lambda x: x[2])
-    chosen = PriorFit(best[0], best[1], scores)
-    model._rdkv_prior = chosen
-    return chosen
+    return PriorFit(best[0], best[1], scores)
 
 
 @torch.no_grad()
@@ -200,28 +194,25 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     to geometric mean 1. The default 1/2 hedges a one-point estimate: on Gemma 3 it gave the lowest
     perplexity KL of any allocation in all three domains. Gains do not carry across kinds of text, though:
     fitted on prose and code, every global allocation doubled SmolLM2's KL on legal text
-    (docs/experiments.md, "sliding-window lifetime"). The user's prefill record is restored.
+    (docs/experiments.md, "sliding-window lifetime").
     """
-    texts = _check_texts(model, texts, prefix, "fit_layer_gains")
+    texts = _check_texts(model, texts, prefix)
     if {"scope", "layer_gains", "config"} & set(options):
         raise RDKVError("fit_layer_gains measures the per-layer allocation itself: do not pass scope, layer_gains or config")
     if not power > 0:
         raise RDKVError(f"power must be > 0, got {power!r}")
     kls = distortion = 0.0
-    state = model._rdkv_state
-    with state.kept():
-        for ids in texts:
-            n = int(ids.shape[1] * prefix)
-            full = plain_prefill(model, ids[:, :n])
-            cache = compress(model, budget, method=method, **options)
+    for ids in texts:
+        n = int(ids.shape[1] * prefix)
+        rec, full = _recorded(model, ids[:, :n], _all_queries(method, None, options), plain=True)
+        cache = compress(rec, budget, method=method, **options)
 
-            def through(c) -> torch.Tensor:
-                with state.kept():  # an ordinary layer extends the record; every hybrid sees the same prefill
-                    return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
+        def through(c) -> torch.Tensor:
+            return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
 
-            ref = through(copy.deepcopy(full))
-            layer_kl = [kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
-            kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
-            distortion = distortion + torch.tensor(cache.layer_distortion, dtype=torch.float64)
+        ref = through(copy.deepcopy(full))
+        layer_kl = [kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]
+        kls = kls + torch.tensor(layer_kl, dtype=torch.float64)
+        distortion = distortion + torch.tensor(cache.layer_distortion, dtype=torch.float64)
     gains = (kls.clamp_min(0) / distortion.clamp_min(1e-30)).clamp_min(1e-12) ** power
     return tuple((gains / gains.log().mean().exp()).tolist())

@@ -1,6 +1,6 @@
 """Exact attention over dense keys and values in torch, and the sums the weight estimator streams from it.
 
-Prefill on an attached model (:mod:`rdkv.attention`), window weights (:mod:`rdkv.weights`), distortion
+A recorded prefill (:mod:`rdkv.attention`), window weights (:mod:`rdkv.weights`), distortion
 tables and folds use it; the decode paths read packed segments instead. It runs in query chunks, so the
 score tensor never exceeds ``elements`` (memory O(T * chunk), never T x T).
 """

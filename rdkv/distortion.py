@@ -54,7 +54,7 @@ import torch
 from . import quant
 from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys
 from .errors import RDKVError
-from .trizone import PackSpec, TriZoneCache, pos_bytes
+from .trizone import PackSpec, TriZoneCache, fixed_bytes, k_block_bytes, v_row_bytes
 from .weights import channel_weights, token_weights
 
 MODELS = ("output", "paper")
@@ -63,9 +63,10 @@ HEAVY = 10.0  # weight, in multiples of the head's mean token weight, above whic
 W = torch.tensor(quant.WIDTHS, dtype=torch.float32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerTables:
-    """Allocation inputs for one layer: units are V tokens [B, H, T] and K channel blocks [B, H, nb]."""
+    """Allocation inputs for one layer, built once by :func:`layer_tables`: units are V tokens [B, H, T] and
+    K channel blocks [B, H, nb]."""
 
     dv: torch.Tensor  # [B, H, T, 5] distortion of each V width
     rv: torch.Tensor  # [5] bytes of one V row (codes, scales, zeros, position) per width
@@ -75,24 +76,14 @@ class LayerTables:
     spec: PackSpec
     fixed: int  # bytes per sequence independent of the allocation (counts, permutation, block widths)
     nq: torch.Tensor  # [B] weight queries the distortion is summed over
+    protect: torch.Tensor  # [B, H, T] bool: tokens that may not be evicted (sinks, the recent window)
     # eviction cost [H, T] of sequence b's tokens once a pass has kept ``kept`` [H, T]; each allocation
     # pass raises dv[..., 0] to it (evict_to="kept", evict_jointly); None = eviction is priced once
     reprice: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""
-        kb, g = self.spec.k_block, self.spec.k_group
-        n = n.double().unsqueeze(-1)
-        groups = torch.ceil(n / g)
-        w = W.to(n.device, torch.float64)
-        packed = kb * w / 8 * n + kb * groups * quant.META_BYTES
-        full = 2 * kb * n
-        return torch.where(w == 0, 2.0 * kb, torch.where(w == 16, full, packed))
-
-
-def fixed_bytes(heads: int, head_dim: int, spec: PackSpec) -> int:
-    """Per-sequence bytes of one layer that do not depend on the allocation."""
-    return heads * (4 * 4 + head_dim * (1 if head_dim <= 256 else 2) + head_dim // spec.k_block)
+        return k_block_bytes(self.spec, n)
 
 
 def _v_errors(v: torch.Tensor, ref: torch.Tensor, spec: PackSpec) -> torch.Tensor:
@@ -127,9 +118,23 @@ def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: Pac
     return torch.stack([(e * m.unsqueeze(-2)).sum(-1) for e in errs], -1)
 
 
+@dataclass(frozen=True)
+class JointEviction:
+    """The queries that price evicting a set of tokens together (``evict_jointly``, :func:`eviction_cross`):
+    q [B, Hq, L, D] at ``q_pos``, over the keys as they saw them [B, H, T, D] at ``k_pos``."""
+
+    q: torch.Tensor
+    keys: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    window: int | None = None
+    softcap: float | None = None
+
+
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
                  spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | float | None = None,
-                 evict_to: str = "heavy", q_floor: float = 0.0) -> LayerTables:
+                 evict_to: str = "heavy", q_floor: float = 0.0, *, protect: torch.Tensor | None = None,
+                 fixed: int | None = None, gain: float = 1.0, joint: JointEviction | None = None) -> LayerTables:
     """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
 
     ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,
@@ -138,6 +143,10 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     ``q_floor`` is the prior's twin for K channels: that fraction of each channel's squared query weight
     is replaced by the mean over channels, so a channel the weight queries barely used still costs
     something to quantize coarsely (a later query may use it).
+    ``protect`` [B, H, T] marks tokens that may not be evicted (none by default); ``fixed`` overrides the
+    allocation-independent bytes (:func:`rdkv.trizone.fixed_bytes` of ``spec``); ``gain`` scales every
+    distortion (a layer's weight in a global knapsack); ``joint`` re-prices eviction from the set a pass
+    evicts (:func:`joint_reprice`).
     """
     if model not in MODELS:
         raise RDKVError(f"unknown distortion model {model!r}; choose one of {MODELS}")
@@ -170,13 +179,15 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         dkc = (channel_weights(sums, kk) * kk.std(-2, correction=0)).unsqueeze(-1) * halving
     perm = dkc[..., 1].argsort(-1, descending=True)  # group channels of similar 2-bit sensitivity
     dk = dkc.gather(2, perm.unsqueeze(-1).expand_as(dkc)).unflatten(2, (-1, spec.k_block)).sum(3)
-    rv = torch.tensor([quant.row_bytes(b, D, spec.v_group_of(b) if b in quant.PACKED else D) + (pos_bytes(end) if b else 0)
-                       for b in quant.WIDTHS],
-                      dtype=torch.float64)
-    t = LayerTables(dv, rv, present, dk, perm, spec, fixed_bytes(H, D, spec), sums.nq)
+    dv, dk = dv * gain, dk * gain
+    reprice = None
     if model == "output" and evict_to == "kept":  # where a head's mass goes once the others are evicted
-        t.reprice = lambda b, kept: m[b] * (v[b] - _mean(v[b], w[b] * kept)).square().sum(-1)
-    return t
+        reprice = lambda b, kept: gain * m[b] * (v[b] - _mean(v[b], w[b] * kept)).square().sum(-1)  # noqa: E731
+    elif joint is not None:
+        reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, v, scaling)
+    protect = torch.zeros_like(present) if protect is None else protect & present
+    return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec,
+                       fixed_bytes(H, D, spec) if fixed is None else fixed, sums.nq, protect, reprice)
 
 
 def eviction_cross(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -223,19 +234,19 @@ def eviction_cross(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: tor
     return out
 
 
-def joint_reprice(t: LayerTables, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                  k_pos: torch.Tensor, scaling: float, window: int | None = None,
-                  softcap: float | None = None) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """``t.reprice`` for ``evict_jointly``: once a pass has chosen what to keep, a token's eviction costs
-    the table's own price (read at call time, so protected tokens stay infinite) plus its share of the
-    cross terms of evicting the rest together (:func:`eviction_cross`, never negative here), over the
-    queries q [B, Hq, L, D] and scaled to the table's weight-query count."""
-    scale = t.nq / (q.shape[1] * q.shape[2])
+def joint_reprice(evict: torch.Tensor, present: torch.Tensor, nq: torch.Tensor, joint: JointEviction, v: torch.Tensor,
+                  scaling: float) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The re-pricing of ``evict_jointly``: once a pass has chosen what to keep, a token's eviction costs its
+    own price ``evict`` [B, H, T] plus its share of the cross terms of evicting the rest together
+    (:func:`eviction_cross`, never negative here) over the queries of ``joint``, scaled to ``nq`` weight
+    queries."""
+    j = joint
+    scale = nq / (j.q.shape[1] * j.q.shape[2])
 
     def reprice(b: int, kept: torch.Tensor) -> torch.Tensor:
-        present = t.present[b]
-        cross = eviction_cross(q[b], k[b], v[b], q_pos, k_pos, scaling, window, softcap, present, present & ~kept)
-        return t.dv[b, ..., 0] + float(scale[b]) * cross.clamp_min(0)
+        cross = eviction_cross(j.q[b], j.keys[b], v[b], j.q_pos, j.k_pos, scaling, j.window, j.softcap, present[b],
+                               present[b] & ~kept)
+        return evict[b] + float(scale[b]) * cross.clamp_min(0)
     return reprice
 
 
@@ -270,3 +281,22 @@ def cache_options(cache: TriZoneCache, tables) -> tuple[list[torch.Tensor], list
         v_opt.append(quant.option_of(vw))
         k_opt.append(quant.option_of(kw[..., 0]))
     return v_opt, k_opt
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """KL ~= a * D^p, fitted on (modelled distortion, measured KL) pairs of one model."""
+
+    a: float
+    p: float
+    points: tuple[tuple[float, float], ...]  # (D, KL) the fit used
+    method: str = "rdkv"  # the compress method it was fitted for
+    key: tuple = ()  # rdkv.api.options_key of the calls it was fitted on; compress(error=) must match it
+
+    def predict(self, distortion: float) -> float:
+        return self.a * distortion**self.p if distortion > 0 else 0.0
+
+    def distortion_for(self, kl: float) -> float:
+        """The largest modelled distortion whose predicted KL is ``kl``, but never beyond the most distorted
+        calibration point: the fit is not extrapolated to allocations coarser than any it has seen."""
+        return min((kl / self.a) ** (1 / self.p), max(d for d, _ in self.points))

@@ -11,7 +11,7 @@ class BudgetInfeasible(RDKVError):
 
 
 class NotRecorded(RDKVError):
-    """There is no prefill record to compress: the model is not attached, or no prefill ran since."""
+    """There is no complete prefill record to compress: the record is still open, or saw no full forward."""
 
 
 class CorruptFile(RDKVError):

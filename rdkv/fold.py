@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from .dense import attend
-from .distortion import fixed_bytes, layer_tables
+from .distortion import layer_tables
 from .errors import RDKVError
 from .solvers.allocate import allocate
-from .trizone import TriZoneLayer, pack_choice
+from .trizone import TriZoneLayer, fixed_bytes, fp16_bytes, k_block_bytes, pack_choice
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,11 @@ class FoldPolicy:
         if self.keep < 0 or self.window < 1 or self.floor < 0:
             raise RDKVError("fold keep must be >= 0, window >= 1 and floor >= 0")
         H, D, spec = layer.heads, layer.head_dim, layer.spec
-        least = fixed_bytes(H, D, spec) + 2 * H * D  # counts and permutation, then K channel means only
-        room = self.budget * self.every * 4 * H * D
+        # counts and permutation, then K channel means only
+        least = fixed_bytes(H, D, spec) + H * D // spec.k_block * int(k_block_bytes(spec, torch.zeros(()))[0])
+        room = self.budget * fp16_bytes(self.every, H * D)
         if room < least:
-            need = math.ceil(least / (self.budget * 4 * H * D))
+            need = math.ceil(least / (self.budget * fp16_bytes(1, H * D)))
             raise RDKVError(f"a fold of {self.every} tokens at budget {self.budget} has {room:.0f} B per layer, less "
                             f"than the {least} B any packed segment needs: fold at least {need} tokens at a time")
 
@@ -78,7 +79,7 @@ def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> No
     k, v = kc[:, :, :R].float(), vc[:, :, :R].float()
     present = torch.ones(B, H, R, dtype=torch.bool, device=kc.device)
     tables = layer_tables(k, v, present, sums, scaling, spec, start + R, "output", policy.floor / R)
-    v_opt, k_opt = allocate([tables], [policy.budget * R * 4 * H * D] * B)
+    v_opt, k_opt = allocate([tables], [policy.budget * fp16_bytes(R, H * D)] * B)
     seg = pack_choice(k, v, start, v_opt[0], k_opt[0], tables.perm, spec, layer.dtype16, window, start + R)
     del seg.t["kc"], seg.t["vc"]
     layer.folds.append(seg)

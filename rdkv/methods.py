@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 from . import quant
 from .solvers.mckp import Infeasible
-from .trizone import pos_bytes
+from .trizone import fp16_token_bytes
 
 RDKV_VARIANTS: dict[str, dict] = {
     "rdkv": {},
-    "rdkv-all": {"weights": "all"},  # needs rdkv.attach(model, all_queries=True)
+    "rdkv-all": {"weights": "all"},  # needs rdkv.record(model, all_queries=True)
     "rdkv-global": {"scope": "global"},
     "rdkv-pool": {"pool_weights": 7},  # SnapKV-style pooled weights: better when the question is in the prompt
     # the question is in the prompt (query-aware): weigh only what its window asked for, no reserve for
@@ -91,8 +91,7 @@ def _uniform(v_width: int, k_width: int, recent: int = 0) -> Callable:
 
 def _keep_count(layers: list[LayerInput], budgets: list[float], fixed: list[int], kb: int) -> list[int]:
     """Tokens each (layer, head) of sequence b may keep in fp16 (V row + position + K row)."""
-    D = layers[0].k.shape[-1]
-    per_token = 2 * D + 2 * D + pos_bytes(layers[0].end)
+    per_token = fp16_token_bytes(layers[0].k.shape[-1], layers[0].end)
     heads = sum(L.present.shape[1] for L in layers)
     if any(budget < f for budget, f in zip(budgets, fixed)):
         raise Infeasible(f"the per-head metadata alone takes {max(fixed)} bytes")

@@ -18,6 +18,7 @@ import torch
 from . import api, quant
 from .distortion import cache_options, modelled_distortion as objective
 from .errors import RDKVError
+from .records import Record
 from .report import COMPONENTS, layer_components
 from .solvers.allocate import allocate
 from .solvers.mckp import Infeasible
@@ -266,26 +267,25 @@ def bytes_per_token(cache: TriZoneCache) -> Figure:
 
 # --- rate-distortion -----------------------------------------------------------------------------------
 
-def _tables(model: torch.nn.Module, method: str, config: api.CompressConfig | None, overrides: dict):
-    """The allocator's tables for the model's last prefill, each sequence's fp16 bytes and the config."""
-    cfg, tables, fp16 = api.allocation_tables(model, method, config, **overrides)
+def _tables(rec: Record, method: str, config: api.CompressConfig | None, overrides: dict):
+    """The allocator's tables for a recorded prefill, each sequence's fp16 bytes and the config."""
+    cfg, tables, fp16 = api.allocation_tables(rec, method, config, **overrides)
     return tables, [float(f) for f in fp16], cfg
 
 
 @torch.no_grad()
-def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
+def modelled_distortion(rec: Record, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
                         *, method: str = "rdkv", config: api.CompressConfig | None = None,
                         **overrides) -> tuple[list[float], list[float]]:
     """The allocator's objective (modelled distortion per weight query, the unit of ``cache.distortion``
-    and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the model's
-    last prefill.
+    and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the record.
 
     Budgets are solved as ``rdkv.compress`` solves them (its own tables, the same per-sequence byte
     budgets of budget x fp16 bytes), without packing; a budget too small to fit gives NaN. Only rdkv methods have
     a model of distortion; baselines raise.
     """
-    budgets = [api._check_budget(b) for b in budgets]
-    tables, fp16, cfg = _tables(model, method, config, dict(overrides))
+    budgets = [api.check_budget(b) for b in budgets]
+    tables, fp16, cfg = _tables(rec, method, config, dict(overrides))
     at_budget = []
     for budget in budgets:
         try:
@@ -295,19 +295,19 @@ def modelled_distortion(model: torch.nn.Module, budgets: Sequence[float] = (), c
     return at_budget, [objective(tables, *cache_options(c, tables)) for c in caches]
 
 
-def rd_curve(model: torch.nn.Module, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
+def rd_curve(rec: Record, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
              method: str = "rdkv", config: api.CompressConfig | None = None, **overrides) -> Figure:
-    """Modelled distortion against budget for the model's last prefill, with an operating point marked.
+    """Modelled distortion against budget for a recorded prefill, with an operating point marked.
 
     The curve is the solver's own objective (see :func:`modelled_distortion`), so it shows what the
     allocator believes it trades: where extra bytes stop buying much, and how steep the cliff below the
     chosen budget is. ``chosen`` is a cache compressed from this prefill (its allocation is evaluated
-    directly) or a budget. Pass the same ``method``/``config``/overrides that ``rdkv.compress`` got.
+    directly) or a budget. Pass the record and the same ``method``/``config``/overrides that ``rdkv.compress`` got.
     """
     budgets = sorted(budgets)
     caches = [chosen] if isinstance(chosen, TriZoneCache) else []
     extra = [chosen] if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) else []
-    d, d_cache = modelled_distortion(model, budgets + extra, caches, method=method, config=config, **overrides)
+    d, d_cache = modelled_distortion(rec, budgets + extra, caches, method=method, config=config, **overrides)
     cfg = api._config(config, {**api.RDKV_VARIANTS[method], **overrides})
     fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()

@@ -78,6 +78,44 @@ def pos_bytes(length: int) -> int:
     return 2 if pos_dtype(length) == torch.int16 else 4
 
 
+# --- the byte model: what the packer stores, which is what the solver and the baselines are charged ----
+
+def fp16_bytes(tokens: int, head_dim: int) -> int:
+    """Bytes of ``tokens`` K and V rows as a plain 16-bit cache (the budget's unit)."""
+    return 4 * head_dim * tokens
+
+
+def fixed_bytes(heads: int, head_dim: int, spec: PackSpec, prerope: bool = False) -> int:
+    """Per-sequence bytes of one layer that do not depend on the allocation: per head the V class counts
+    (4 int32), the channel permutation (uint8, int16 past 256 channels) and the block widths (uint8); with
+    ``prerope`` the layer's RoPE table, charged to every sequence (conservative for batch > 1)."""
+    per_head = 4 * 4 + head_dim * (1 if head_dim <= 256 else 2) + head_dim // spec.k_block
+    return heads * per_head + (rope.rope_bytes(head_dim) if prerope else 0)
+
+
+def v_row_bytes(spec: PackSpec, head_dim: int, length: int) -> torch.Tensor:
+    """Bytes of one kept V row at each width of ``quant.WIDTHS`` [5] (float64): its codes, scales and zeros
+    (or its 16-bit row) and its stored position (positions up to ``length``); 0 for an evicted token."""
+    return torch.tensor([quant.row_bytes(w, head_dim, spec.v_group_of(w) if w in quant.PACKED else head_dim)
+                         + (pos_bytes(length) if w else 0) for w in quant.WIDTHS], dtype=torch.float64)
+
+
+def k_block_bytes(spec: PackSpec, n: torch.Tensor) -> torch.Tensor:
+    """Bytes of one K channel block at each width of ``quant.WIDTHS`` when its stream keeps ``n`` tokens
+    [...] -> [..., 5] (float64): at 0 bits the block's channel means, at 16 its rows, else its codes plus a
+    scale and zero per channel per started group of ``k_group`` tokens."""
+    kb, g = spec.k_block, spec.k_group
+    n = n.double().unsqueeze(-1)
+    w = torch.tensor(quant.WIDTHS, dtype=torch.float64, device=n.device)
+    packed = kb * w / 8 * n + kb * torch.ceil(n / g) * quant.META_BYTES
+    return torch.where(w == 0, 2.0 * kb, torch.where(w == 16, 2.0 * kb * n, packed))
+
+
+def fp16_token_bytes(head_dim: int, length: int) -> int:
+    """Bytes of one token kept in 16 bits in every channel (an eviction baseline's unit): V row, position, K."""
+    return 2 * head_dim + pos_bytes(length) + 2 * head_dim
+
+
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For segment sizes ``counts`` [P]: (segment id, index inside the segment) of every element."""
     seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)

@@ -11,7 +11,7 @@ import torch
 
 from .backend import backend
 from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend
-from .record import LayerStats
+from .records import LayerStats
 from .errors import RDKVError
 
 FORMS = ("all", "window")
@@ -24,7 +24,7 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: i
     if form == "all":
         s = stats.sums
         if s is None:
-            raise RDKVError("weights='all' needs every prefill query: attach with rdkv.attach(model, all_queries=True)")
+            raise RDKVError("weights='all' needs every prefill query: record with rdkv.record(model, all_queries=True)")
         return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
     if form == "window":
         q, q_pos = window_queries(stats, window)

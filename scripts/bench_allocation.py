@@ -19,11 +19,11 @@ import rdkv.solvers.allocate as allocate
 def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load("smollm2-135m")
-    rdkv.attach(model)
     probe = rdkv.models.retrieval_prompt(1000, 0.5, tok)
     ids = tok(probe["context"] + probe["question"], return_tensors="pt").input_ids
-    model(ids, use_cache=True, logits_to_keep=1)
-    rdkv.compress(model, 0.25)  # pays the one-off surprisal pass
+    with rdkv.record(model) as rec:
+        model(ids, use_cache=True, logits_to_keep=1)
+    rdkv.compress(rec, 0.25)  # pays the one-off surprisal pass
     plain = allocate.lagrangian
     print("| passes | scope | swap | budget | tokens kept | mean K bits | modelled D | compress s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -32,7 +32,7 @@ def main() -> None:
         allocate.lagrangian = (lambda D, R, b, swap=False: plain(D, R, b, swap=True)) if swap else plain
         for budget in (0.05, 0.1, 0.25):
             t = time.perf_counter()
-            cache = rdkv.compress(model, budget, passes=passes, scope=scope)
+            cache = rdkv.compress(rec, budget, passes=passes, scope=scope)
             dt = time.perf_counter() - t
             vw = torch.cat([layer.v_widths().flatten() for layer in cache.layers])
             kw = torch.cat([layer.k_widths().flatten() for layer in cache.layers])

@@ -2,9 +2,9 @@
 
     python scripts/bench_compress.py --contexts 1024 4096 8192
 
-One prefill per context (plain SDPA, then with rdkv attached, which also streams the weight
-statistics), then ``rdkv.compress`` at each budget. Peak extra memory is the peak resident-set growth
-while compress runs, sampled every millisecond, next to the size of the cache as fp16.
+One prefill per context (plain SDPA, then inside ``rdkv.record``, which also streams the weight
+statistics), then ``rdkv.compress`` of that record at each budget. Peak extra memory is the peak
+resident-set growth while compress runs, sampled every millisecond, next to the size of the cache as fp16.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
+    plain = model.config._attn_implementation
     text = rdkv.models.retrieval_prompt(max(args.contexts) + 200, 0.5, tok)["context"]
     all_ids = tok(text, return_tensors="pt").input_ids
     print(f"model {args.model}, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
@@ -62,18 +63,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for n in args.contexts:
         ids = all_ids[:, :n]
-        rdkv.detach(model) if hasattr(model, "_rdkv_state") else None
+        model.set_attn_implementation(plain)  # transformers' own attention
         t = time.perf_counter()
         model(ids, use_cache=True, logits_to_keep=1)
         t_sdpa = time.perf_counter() - t
-        rdkv.attach(model)
+        rdkv.install(model)
         t = time.perf_counter()
-        model(ids, use_cache=True, logits_to_keep=1)
+        with rdkv.record(model) as rec:
+            model(ids, use_cache=True, logits_to_keep=1)
         t_rdkv = time.perf_counter() - t
         for b in args.budgets:
             with peak_rss() as mem:
                 t = time.perf_counter()
-                cache = rdkv.compress(model, b)
+                cache = rdkv.compress(rec, b)
                 t_c = time.perf_counter() - t
             print(f"| {ids.shape[1]} | {t_sdpa:.1f} | {t_rdkv:.1f} | {b} | {t_c:.2f} | {t_c / t_rdkv:.2f} | "
                   f"{mem['extra'] / 2**20:.0f} | {cache.fp16_bytes / 2**20:.1f} | {cache.nbytes / cache.fp16_bytes:.4f} |", flush=True)

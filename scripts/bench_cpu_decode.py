@@ -44,13 +44,14 @@ def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
     return (time.perf_counter() - t) * 1e3 / tokens
 
 
-def measure(model, ids, full, caches: dict, tokens: int, repeats: int) -> dict[str, float]:
-    """Best-of-``repeats`` ms per token of every path, in turns."""
+def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str) -> dict[str, float]:
+    """Best-of-``repeats`` ms per token of every path, in turns; the full cache through the attention
+    implementation ``plain``."""
     best: dict[str, float] = {}
     for _ in range(repeats):
-        rdkv.detach(model)  # the full cache runs transformers' own attention
+        model.set_attn_implementation(plain)  # the full cache runs transformers' own attention
         best["full"] = min(best.get("full", 1e9), ms_per_token(model, ids, full, tokens))
-        rdkv.attach(model)
+        rdkv.install(model)
         for backend in ("torch", "reference"):
             os.environ["RDKV_BACKEND"] = backend
             for budget, cache in caches.items():
@@ -71,6 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
+    plain = model.config._attn_implementation
     print(f"{args.model} fp32, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; greedy generate of {args.tokens} tokens, "
           f"best of {args.repeats}\n")
@@ -80,16 +82,16 @@ def main() -> None:
     print("|---" * (len(cols) + 2) + "|")
     for n in args.contexts:
         ids = text_ids(tok, n)
-        rdkv.attach(model)
-        full = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
-        caches = {b: rdkv.compress(model, b) for b in args.budgets}
-        rdkv.release(model)
+        with rdkv.record(model) as rec:
+            full = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+        caches = {b: rdkv.compress(rec, b) for b in args.budgets}
+        del rec
         for loaded in (False, True) if args.load else (False,):
             load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
             try:
                 if load:
                     time.sleep(2)
-                best = measure(model, ids, full, caches, args.tokens, args.repeats)
+                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain)
             finally:
                 if load:
                     load.kill()
@@ -97,7 +99,6 @@ def main() -> None:
             cells = [f"{best['full']:.0f}"] + [f"{best[c]:.0f} ({best[c] / best['full']:.2f}x)" for c in cols[1:]]
             print(f"| {n:,} | {'2-thread matmul beside' if loaded else 'idle'} | " + " | ".join(cells) + " |", flush=True)
         del full, caches
-        rdkv.detach(model)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 import rdkv
+from rdkv.calibrate import PriorFit
 from rdkv.dense import allowed_keys
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
@@ -70,14 +70,14 @@ def method_arg(text: str) -> str:
 
 def weight_window(method: str, sliding: bool) -> int:
     """How many recorded queries a method's weights use on a layer (sliding-window or not), as compress
-    resolves it after a default ``rdkv.attach``."""
+    resolves it for a default ``rdkv.record``."""
     name, extra = split_method(method)
     cfg = rdkv.api._config(None, {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra})
     return cfg.layer_window(sliding) or rdkv.api.DEFAULT_WINDOW
 
 
 def needs_all_queries(methods: list[str]) -> bool:
-    """Whether any method reads every prefill query (then ``rdkv.attach(model, all_queries=True)``)."""
+    """Whether any method reads every prefill query (then ``rdkv.record(model, all_queries=True)``)."""
     return any({**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("weights") == "all"
                for name, extra in map(split_method, methods))
 
@@ -118,17 +118,37 @@ def add_tune_prior(ap: argparse.ArgumentParser) -> None:
                     help="fit floor/surprisal on calibration text first (rdkv.tune_prior); plain rdkv rows then use it")
 
 
-def tune_prior(model, tok, args) -> None:
-    """With ``--tune-prior`` (:func:`add_tune_prior`): ``rdkv.tune_prior`` on :func:`calibration_texts`, so plain
-    ``rdkv`` rows use the model's own prior; the choice and every candidate's score go into the results header."""
+def tune_prior(model, tok, args) -> PriorFit | None:
+    """With ``--tune-prior`` (:func:`add_tune_prior`): the ``rdkv.tune_prior`` fit on :func:`calibration_texts`
+    (also kept as ``args.prior``), else None. Given to :func:`compressions` and :func:`fitted_gains`, it sets
+    the prior of every RDKV method that does not choose its own (:func:`with_prior`); the choice and every
+    candidate's score go into the results header."""
+    args.prior = None
     if not args.tune_prior:
-        return
-    fit = rdkv.tune_prior(model, calibration_texts(tok))
+        return None
+    fit = args.prior = rdkv.tune_prior(model, calibration_texts(tok))
     scores = ", ".join(f"({f:g}, {s:g}): {v:.3f}" for f, s, v in fit.scores)
     args.prior_note = (f"Prior tuned on this model (`rdkv.tune_prior` on common.calibration_texts, budgets 0.1/0.25): "
                        f"`rdkv` rows use floor={fit.floor:g}, surprisal={fit.surprisal:g}; mean log KL per (floor, "
                        f"surprisal): {scores}.")
     print(args.prior_note, flush=True)
+    return fit
+
+
+def with_prior(model, method: str, options: dict, prior: PriorFit | None) -> dict:
+    """``options`` for ``rdkv.compress(rec, b, method=method, **options)`` with a tuned prior's ``prior.options``
+    (floor, surprisal) under them, when ``method`` is an RDKV method whose preset
+    (``rdkv.methods.RDKV_VARIANTS``, or the one ``auto`` picks for ``model``) and options set neither and no
+    ``config`` is given; otherwise ``options`` as they are."""
+    if prior is None or options.get("config") is not None:
+        return options
+    if method == rdkv.methods.AUTO:
+        method, preset = rdkv.api.resolve_method(rdkv.Record(model), method, {})
+    else:
+        preset = rdkv.methods.RDKV_VARIANTS.get(method)
+    if preset is None or {"floor", "surprisal"} & {*preset, *options}:
+        return options
+    return {**prior.options, **options}
 
 
 def settings(method: str, budgets: list[float]) -> list[float | None]:
@@ -136,31 +156,36 @@ def settings(method: str, budgets: list[float]) -> list[float | None]:
     return [None] if method in rdkv.methods.FIXED_RATE else budgets
 
 
-def fitted_gains(model, tok, methods: list[str]) -> dict[str, tuple[float, ...]]:
+def fitted_gains(model, tok, methods: list[str], prior: PriorFit | None = None) -> dict[str, tuple[float, ...]]:
     """``rdkv.fit_layer_gains`` on :func:`calibration_texts` for every method given with ``layer_gains=fit``
-    (with that method's other options, minus ``scope``); :func:`compressions` then uses them."""
+    (with that method's other options, minus ``scope``, and the tuned ``prior`` where :func:`with_prior`
+    applies it); :func:`compressions` then uses them."""
     out = {}
     for m in methods:
         name, extra = split_method(m)
         if extra.pop("layer_gains", None) == "fit":
             extra.pop("scope", None)
+            extra = with_prior(model, name, extra, prior)
             out[m] = rdkv.fit_layer_gains(model, calibration_texts(tok), method=name, **extra)
             print(f"layer gains for {m}: " + " ".join(f"{g:.3g}" for g in out[m]), flush=True)
     return out
 
 
-def compressions(model, methods: list[str], budgets: list[float], gains: dict | None = None, **options):
-    """Yield (method, budget, cache) for one prefill; a budget too small for a method is skipped. A method
-    given with ``layer_gains=fit`` uses ``gains[method]`` (from :func:`fitted_gains`)."""
+def compressions(rec: rdkv.Record, methods: list[str], budgets: list[float], gains: dict | None = None,
+                 prior: PriorFit | None = None, **options):
+    """Yield (method, budget, cache) for the recorded prefill ``rec``; a budget too small for a method is
+    skipped. A method given with ``layer_gains=fit`` uses ``gains[method]`` (from :func:`fitted_gains`); a
+    tuned ``prior`` (:func:`tune_prior`) goes to the methods :func:`with_prior` gives it to."""
     for m in methods:
         name, extra = split_method(m)
         if extra.get("layer_gains") == "fit":
             if m not in (gains or {}):
                 raise ValueError(f"{m}: layer_gains=fit needs common.fitted_gains(model, tok, methods) first")
             extra["layer_gains"] = gains[m]
+        kw = with_prior(rec.model, name, {**options, **extra}, prior)
         for b in settings(name, budgets):
             try:
-                yield m, b, rdkv.compress(model, b, method=name, **{**options, **extra})
+                yield m, b, rdkv.compress(rec, b, method=name, **kw)
             except rdkv.RDKVError as e:
                 print(f"  skip {m} @ {b}: {e}")
 
@@ -183,21 +208,6 @@ def probe_inputs(tok, n: int, depth: float, protocol: str, seed: int) -> tuple[t
 def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
     """Logits [L, V] of teacher-forcing ``tail`` [1, L] through ``cache`` (float32)."""
     return model(tail, past_key_values=cache).logits[0].float()
-
-
-def feeder(model, tail: torch.Tensor):
-    """``through(cache)``: logits of teacher-forcing ``tail``; an ordinary layer extends rdkv's record of the
-    prefill, which is put back afterwards so every cache sees the same prefill."""
-    def through(cache) -> torch.Tensor:
-        with model._rdkv_state.kept():
-            return forward(model, cache, tail)
-
-    return through
-
-
-def full_reference(model, prefill_cache, tail: torch.Tensor) -> torch.Tensor:
-    """The uncompressed cache's logits (run last: an ordinary cache extends rdkv's statistics)."""
-    return forward(model, copy.deepcopy(prefill_cache), tail)
 
 
 def dense_probs(st, q: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,6 @@ question's recorded queries). This is how the 8k regression of ``evict_to="outpu
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 import rdkv
@@ -22,7 +20,7 @@ from rdkv.calibrate import kl
 def question_mass_on(st, evicted: torch.Tensor, n_q: int) -> float:
     """Largest share of attention any of the last ``n_q`` recorded queries puts on ``evicted`` [H, T]."""
     q = st.window_q[0, :, -n_q:].float()  # [Hq, L, D]
-    k = st.key[0].float()  # [H, T + L, D]: the reference pass appended the question's keys
+    k = st.key[0].float()  # [H, T + L, D]: the record of the reference pass holds the question's keys too
     G, T = q.shape[0] // k.shape[0], evicted.shape[1]
     s = torch.einsum("hld,htd->hlt", q, k.repeat_interleave(G, 0)) * st.scaling
     causal = torch.arange(k.shape[1])[None, :] <= torch.arange(k.shape[1] - n_q, k.shape[1])[:, None]
@@ -37,23 +35,23 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     rows = []
     for n in args.contexts:
         prefix, tail, _ = probe_inputs(tok, n, args.depth, "agnostic", args.seed)
-        full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        state = model._rdkv_state
-        window = [rdkv.weights.layer_sums(state.layers[i], "window").mass[0] for i in sorted(state.layers)]
+        with rdkv.record(model) as rec:
+            model(prefix, use_cache=True, logits_to_keep=1)
+        window = [rdkv.weights.layer_sums(rec.layers[i], "window").mass[0] for i in sorted(rec.layers)]
         runs = []
         for m in args.methods:
             for b in args.budgets:
                 name, extra = split_method(m)
-                c = rdkv.compress(model, b, method=name, **extra)
+                c = rdkv.compress(rec, b, method=name, **extra)
                 runs.append((m, b, [(layer.v_widths()[0] == 0) for layer in c.layers], forward(model, c, tail)))
-        ref = forward(model, copy.deepcopy(full), tail)  # records the question's queries
+        with rdkv.record(model) as asked:  # the prefix again, then the question: its queries and keys
+            ref = forward(model, model(prefix, use_cache=True, logits_to_keep=1).past_key_values, tail)
         for m, b, evicted, logits in runs:
             shares = [float(((w * e).sum(-1) / w.sum(-1)).max()) for w, e in zip(window, evicted)]
-            on_q = [question_mass_on(state.layers[i], e, tail.shape[1]) for i, e in enumerate(evicted)]
+            on_q = [question_mass_on(asked.layers[i], e, tail.shape[1]) for i, e in enumerate(evicted)]
             worst = max(range(len(on_q)), key=on_q.__getitem__)
             rows.append({"context": n, "method": m, "budget": b, "KL": kl(ref, logits),
                          "V rows evicted": sum(float(e.float().mean()) for e in evicted) / len(evicted),

@@ -12,12 +12,11 @@ knapsack as a method option: ``rdkv-hybrid:scope=global,layer_gains=fit`` (power
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 import rdkv
-from common import calibration_texts, compressions, feeder, forward, header, parser, publish, split_method, table
+from common import calibration_texts, compressions, forward, header, parser, publish, split_method, table
 from rdkv.calibrate import kl
 from eval_perplexity import nll, prefills
 
@@ -32,7 +31,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     found = {}
     for m in args.methods:
         name, extra = split_method(m)
@@ -44,12 +42,12 @@ def main() -> None:
         variants += [(f"{m} global, gains^{p:g}", m, b, {"scope": "global", "layer_gains": tuple(x**p for x in g)})
                      for p in args.powers]
     raw: dict = {}
-    for domain, n, full, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
-                                                   args.windows):
-        ref = feeder(model, tail)(copy.deepcopy(full))
+    for domain, n, rec, full, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
+                                                        args.windows):
+        ref = forward(model, full, tail)
         base = nll(ref, targets)
         for label, m, b, opts in variants:
-            for _, _, c in compressions(model, [m], [b], **opts):
+            for _, _, c in compressions(rec, [m], [b], **opts):
                 ratio, lg = c.nbytes / c.fp16_bytes, forward(model, c, tail)
                 raw.setdefault((domain, n, label), []).append((ratio, nll(lg, targets) - base, kl(ref, lg)))
     rows = [{"domain": d, "context": n, "allocation": label, "bytes/fp16": sum(r[0] for r in rs) / len(rs),

@@ -44,20 +44,19 @@ def main() -> None:
     rows = []
     for n in args.contexts:
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
-        # the continuation's queries: attach recording them all, run prefix + tail through a plain cache
-        rdkv.attach(model, window=args.continuation)
-        cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        model(tail, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        later = {i: st for i, st in model._rdkv_state.layers.items()}
-        rdkv.attach(model)
-        model(prefix, use_cache=True, logits_to_keep=1)
-        state = model._rdkv_state
+        # the continuation's queries: a record keeping them all, of prefix + tail through a plain cache
+        with rdkv.record(model, window=args.continuation) as seen:
+            cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+            model(tail, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        later = seen.layers
+        with rdkv.record(model) as rec:
+            model(prefix, use_cache=True, logits_to_keep=1)
         for m in args.methods:
             name, extra = split_method(m)
             for b in args.budgets:
-                c = rdkv.compress(model, b, method=name, **extra)
+                c = rdkv.compress(rec, b, method=name, **extra)
                 for i, layer in enumerate(c.layers):
-                    st, keep = state.layers[i], layer.v_widths()[0] > 0
+                    st, keep = rec.layers[i], layer.v_widths()[0] > 0
                     window = weight_window(m, st.sliding_window is not None)
                     win = eviction_errors(st, st.window_q[0, :, -window:], keep)
                     # the continuation's keys: the prefix's held ones (compressed) plus the tail's (kept)

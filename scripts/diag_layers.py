@@ -20,8 +20,7 @@ from tqdm import tqdm
 
 import rdkv
 from rdkv.calibrate import plain_prefill, swap_in
-from common import (compressions, dense_probs, domain_text, feeder, header, parser, publish, table,
-                    weight_window)
+from common import compressions, dense_probs, domain_text, forward, header, parser, publish, table, weight_window
 from rdkv.calibrate import kl
 
 
@@ -49,26 +48,26 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     rows = []
     for domain in args.domains:
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         for n in args.contexts:
             a = int(args.start * max(0, ids.shape[1] - n - args.continuation))
             prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
-            rdkv.attach(model, window=args.continuation)  # record the continuation's queries, then the prefill's
-            model(tail, past_key_values=plain_prefill(model, prefix), use_cache=True, logits_to_keep=1)
-            later = dict(model._rdkv_state.layers)
-            rdkv.attach(model)
-            full = plain_prefill(model, prefix)
-            state = model._rdkv_state
-            runs = list(compressions(model, args.methods, args.budgets))  # before anything extends the record
-            through = feeder(model, tail)
+            with rdkv.record(model, window=args.continuation) as seen:  # the continuation's queries
+                model(tail, past_key_values=plain_prefill(model, prefix), use_cache=True, logits_to_keep=1)
+            later = seen.layers
+            with rdkv.record(model) as rec:
+                full = plain_prefill(model, prefix)
+
+            def through(cache) -> torch.Tensor:
+                return forward(model, cache, tail)
+
             ref = through(copy.deepcopy(full))
-            for m, b, c in runs:
+            for m, b, c in compressions(rec, args.methods, args.budgets):
                 total = kl(ref, through(copy.deepcopy(c)))
                 for i, layer in enumerate(tqdm(c.layers, desc=f"{domain} {m} {b}", leave=False)):
-                    st, low = state.layers[i], layer.v_widths()[0] <= 2
+                    st, low = rec.layers[i], layer.v_widths()[0] <= 2
                     window = weight_window(m, st.sliding_window is not None)  # the queries the weights came from
                     row = {"domain": domain, "method": m, "budget": "-" if b is None else b, "layer": i,
                            "sliding": st.sliding_window is not None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import rdkv
-from common import compressions, forward, full_reference, header, parser, probe_inputs, publish, table, token_margins
+from common import compressions, forward, header, parser, probe_inputs, publish, table, token_margins
 
 
 def main() -> None:
@@ -24,15 +24,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     rows = []
     for n in args.contexts:
         for depth in args.depths:
             prefix, tail, n_ans = probe_inputs(tok, n, depth, args.protocol, args.seed)
-            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-            runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail))
-                    for m, b, c in compressions(model, args.methods, args.budgets)]
-            runs.insert(0, ("full", 1.0, 1.0, full_reference(model, full_cache, tail)))
+            with rdkv.record(model) as rec:
+                full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+            runs = [("full", 1.0, 1.0, forward(model, full_cache, tail))]
+            runs += [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail))
+                     for m, b, c in compressions(rec, args.methods, args.budgets)]
             answer = " ".join(repr(tok.decode(t)) for t in tail[0, -n_ans:].tolist())
             for m, b, ratio, logits in runs:
                 margins, rivals = (t.tolist() for t in token_margins(logits, tail, n_ans))

@@ -24,19 +24,19 @@ from tqdm import tqdm
 import torch
 
 import rdkv
-from common import (calibration_texts, domain_text, forward, full_reference, header, parser, split_method, table,
-                    write)
+from common import calibration_texts, domain_text, forward, header, parser, split_method, table, write
 from rdkv.calibrate import kl
 from rdkv.dense import allowed_keys
 from rdkv.reference import partial_attention
 
 
-def layer_error(model, cache, full_cache, n_tail: int) -> list[float]:
+def layer_error(asked: rdkv.Record, cache, full_cache, n_tail: int) -> list[float]:
     """Per layer: squared error of the attention output over the prefix for the continuation's queries (the
-    last ones the full reference pass recorded, at most the attach window), compressed vs full, per query."""
+    last ones that ``asked``, the record of the full reference pass, kept: at most its window), compressed vs
+    full, per query."""
     out = []
     for i, layer in enumerate(cache.layers):
-        st = model._rdkv_state.layers[i]
+        st = asked.layers[i]
         B, Hq, W, D = st.window_q.shape
         S, G, n = layer.batch * layer.heads, Hq // layer.heads, min(n_tail, W)
         q = st.window_q[:, :, -n:].float().reshape(S, G * n, D)
@@ -68,7 +68,6 @@ def main() -> None:
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     a = args.calibration_offset
     cal = rdkv.calibrate(model, calibration_texts(tok, a), method=method, **extra)
     rows, points, layer_points = [], [], []
@@ -76,18 +75,20 @@ def main() -> None:
     for domain, n in tqdm(jobs, desc="prefills"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
-        full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        caches = [("budget", b, rdkv.compress(model, b, method=method, **extra)) for b in args.budgets]
+        with rdkv.record(model) as rec:
+            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        caches = [("budget", b, rdkv.compress(rec, b, method=method, **extra)) for b in args.budgets]
         for eps in args.eps:
             try:
-                caches.append(("error", eps, rdkv.compress(model, error=eps, method=method, **extra)))
+                caches.append(("error", eps, rdkv.compress(rec, error=eps, calibration=cal, method=method, **extra)))
             except rdkv.RDKVError as e:
                 print(f"  skip error={eps} on {domain}@{n}: {e}")
         ratios = [c.nbytes / c.fp16_bytes for _, _, c in caches]  # before the tail grows zone C
         logits = [forward(model, c, tail) for _, _, c in caches]
-        ref = full_reference(model, full_cache, tail)
+        with rdkv.record(model) as asked:  # the prefix again, then the continuation: its queries
+            ref = forward(model, model(prefix, use_cache=True, logits_to_keep=1).past_key_values, tail)
         for how, x, c in caches[: len(args.budgets)]:
-            layer_points.append((c.layer_distortion, layer_error(model, c, full_cache, tail.shape[1])))
+            layer_points.append((c.layer_distortion, layer_error(asked, c, full_cache, tail.shape[1])))
         for (how, x, c), ratio, lg in zip(caches, ratios, logits):
             got = kl(ref, lg)
             row = {"domain": domain, "context": n, "asked": f"{how}={x:g}", "bytes/fp16": ratio,

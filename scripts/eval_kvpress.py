@@ -8,12 +8,12 @@ and rdkv (editable) installed side by side. Probes and protocols are those of ev
 ``agnostic`` prefills the context and teacher-forces question + answer through the cache; ``aware``
 prefills context + question[:-1] and teacher-forces the last question token + answer.
 
-Per probe, rdkv goes first: ``rdkv.attach``, one prefill, ``rdkv.compress`` per method and budget (rdkv
-and our re-implementations of snapkv, adakv, ...), each charged ``cache.nbytes / cache.fp16_bytes``.
-The model is then detached (kvpress wraps the attention functions transformers knows at import time;
-rdkv's own attention is registered later and never sees kvpress's head masks) and every press runs its
-own prefill inside ``with press(model)`` on a fresh DynamicCache, with compression_ratio = 1 - budget
-(nudged so that floor(T * budget) tokens are kept). The tail is then fed with no press active and with
+Per probe, rdkv goes first: one prefill inside ``rdkv.record``, ``rdkv.compress`` per method and budget
+(rdkv and our re-implementations of snapkv, adakv, ...), each charged ``cache.nbytes / cache.fp16_bytes``.
+The model then gets its own attention implementation back (kvpress wraps the attention functions
+transformers knows at import time; rdkv's own attention is registered later and never sees kvpress's head
+masks) and every press runs its own prefill inside ``with press(model)`` on a fresh DynamicCache, with
+compression_ratio = 1 - budget (nudged so that floor(T * budget) tokens are kept). The tail is then fed with no press active and with
 explicit position ids (an evicted cache is shorter than the positions it covers), as kvpress's pipeline
 does. A press is charged what its cache holds: the K and V tensors' elements at 2 bytes each (the fp16
 baseline), over the fp16 bytes of the uncompressed cache of the same prefix. AdaKV keeps every tensor
@@ -22,8 +22,8 @@ hold if its ragged selection were stored compactly is printed separately ("ideal
 what it holds. rdkv's eviction baselines also pay for token positions and per-head metadata, so at equal
 bytes they keep slightly fewer tokens than a press (column "tokens kept").
 
-KL is measured from the uncompressed cache run through the plain (detached) model; the largest logit
-gap between that reference and the same cache run through rdkv's attention is recorded below the table.
+KL is measured from the uncompressed cache run through the plain model (its own attention); the largest
+logit gap between that reference and the same cache run through rdkv's attention is recorded below the table.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import kvpress  # noqa: E402  (import patches transformers' attention functions for AdaKV's head masks)
 import rdkv  # noqa: E402
-from common import (answer_scores, by_depth, compressions, forward, full_reference, header, needs_all_queries, parser,  # noqa: E402
+from common import (answer_scores, by_depth, compressions, forward, header, needs_all_queries, parser,  # noqa: E402
                     probe_inputs, table, write)
 from rdkv.calibrate import kl  # noqa: E402
 
@@ -100,12 +100,12 @@ def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch
     return dict(ratio=held / fp16, ideal=ideal, kept=kept, logits=logits)
 
 
-def rdkv_runs(model, methods: list[str], budgets: list[float], tail: torch.Tensor):
-    """(method, budget, bytes/fp16, tokens kept, logits) for every rdkv method on the last prefill."""
-    for m, b, c in compressions(model, methods, budgets):
+def rdkv_runs(rec: rdkv.Record, methods: list[str], budgets: list[float], tail: torch.Tensor):
+    """(method, budget, bytes/fp16, tokens kept, logits) for every rdkv method on the recorded prefill."""
+    for m, b, c in compressions(rec, methods, budgets):
         kept = sum(int(layer.kept.sum()) for layer in c.layers)
         kept /= sum(layer.batch * layer.heads * (layer.prefix_len - layer.start) for layer in c.layers)
-        yield m, b, c.nbytes / c.fp16_bytes, kept, forward(model, c, tail)
+        yield m, b, c.nbytes / c.fp16_bytes, kept, forward(rec.model, c, tail)
 
 
 def main() -> None:
@@ -119,33 +119,34 @@ def main() -> None:
     if args.quick:
         args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
     if needs_all_queries(args.methods):
-        ap.error("methods with weights='all' need attach(all_queries=True); not run here")
+        ap.error("methods with weights='all' need rdkv.record(model, all_queries=True); not run here")
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
+    plain = model.config._attn_implementation  # the presses' attention (rdkv.record installs its own)
 
     raw = defaultdict(list)  # (protocol, source, method, budget) -> per-probe dicts
-    ref_gap = 0.0  # largest |logit| gap between the plain and the rdkv-attached full-cache reference
+    ref_gap = 0.0  # largest |logit| gap between the plain and the rdkv-attention full-cache reference
     jobs = [(n, d, p) for n in args.contexts for d in args.depths for p in args.protocols]
     bar = tqdm(total=len(jobs) * (1 + len(args.presses) * len(args.budgets)), desc="prefills")
     for n, depth, protocol in jobs:
         prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, args.seed)
         T = prefix.shape[1]
 
-        # rdkv and its re-implemented baselines: one attached prefill, many compressions
+        # rdkv and its re-implemented baselines: one recorded prefill, many compressions
         clear_head_masks(model)
-        rdkv.attach(model)
-        full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        with rdkv.record(model) as rec:
+            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
         fp16 = held_bytes(full_cache)
-        runs = [("rdkv", *r) for r in rdkv_runs(model, args.methods, args.budgets, tail)]
-        ref_attached = full_reference(model, full_cache, tail)
-        rdkv.release(model)
-        rdkv.detach(model)
+        runs = [("rdkv", *r) for r in rdkv_runs(rec, args.methods, args.budgets, tail)]
+        ref_rdkv = forward(model, copy.deepcopy(full_cache), tail)
+        del rec
+        model.set_attn_implementation(plain)
         bar.update()
 
         # the plain model's reference, through the same feeding path the presses use
         ref = fed(model, copy.deepcopy(full_cache), tail, T)
-        ref_gap = max(ref_gap, float((ref - ref_attached).abs().max()))
+        ref_gap = max(ref_gap, float((ref - ref_rdkv).abs().max()))
         del full_cache
         runs.append(("-", "full", 1.0, 1.0, 1.0, ref))
         extra = {}

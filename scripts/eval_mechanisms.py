@@ -170,8 +170,9 @@ class Capture:
         return out, None
 
 
-def attach(model: torch.nn.Module) -> Capture:
-    """Route the model's attention through a fresh :class:`Capture` (SDPA masks, same numbers)."""
+def capture(model: torch.nn.Module) -> Capture:
+    """Route the model's attention through a fresh :class:`Capture` (SDPA masks, same numbers); rdkv's
+    attention is not involved here."""
     cap = Capture()
     AttentionInterface.register(CAPTURE, cap)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
@@ -379,7 +380,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    cap = attach(model)
+    cap = capture(model)
     parts: dict[str, list[dict]] = defaultdict(list)
     checks, info = [], {}
     for domain in tqdm(args.domains, desc="domains"):

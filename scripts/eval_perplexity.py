@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, compressions, domain_text, feeder, fitted_gains, forward, header,
-                    needs_all_queries, parser, table, tune_prior, write)
+from common import (add_tune_prior, compressions, domain_text, fitted_gains, forward, header, needs_all_queries,
+                    parser, table, tune_prior, write)
 from rdkv.calibrate import kl
 
 
@@ -49,9 +49,11 @@ def windows(length: int, span: int, count: int) -> list[int]:
     return sorted({round(i * last / (count - 1)) for i in range(count)}) if count > 1 else [0]
 
 
-def prefills(model, tok, domains: list[str], contexts: list[int], continuation: int, count: int):
-    """Prefill every window: yields (domain, N, full cache, the next ``continuation`` token ids, their targets)
-    with the window's N-token prefix as the model's last prefill, ready to compress."""
+def prefills(model, tok, domains: list[str], contexts: list[int], continuation: int, count: int,
+             all_queries: bool = False):
+    """Prefill every window: yields (domain, N, record, full cache, the next ``continuation`` token ids, their
+    targets), the record (``rdkv.record(model, all_queries=...)``) of the window's N-token prefix, ready to
+    compress."""
     for domain in tqdm(domains, desc="domains"):
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         for n in contexts:
@@ -59,8 +61,10 @@ def prefills(model, tok, domains: list[str], contexts: list[int], continuation: 
             if not starts:
                 print(f"  skip {domain} @ {n}: only {ids.shape[1]} tokens")
             for a in starts:
-                full_cache = model(ids[:, a : a + n], use_cache=True, logits_to_keep=1).past_key_values
-                yield domain, n, full_cache, ids[:, a + n : a + n + continuation], ids[0, a + n + 1 : a + n + continuation + 1]
+                with rdkv.record(model, all_queries=all_queries) as rec:
+                    full_cache = model(ids[:, a : a + n], use_cache=True, logits_to_keep=1).past_key_values
+                yield (domain, n, rec, full_cache, ids[:, a + n : a + n + continuation],
+                       ids[0, a + n + 1 : a + n + continuation + 1])
 
 
 def main() -> None:
@@ -79,18 +83,18 @@ def main() -> None:
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model, all_queries=needs_all_queries(args.methods))
-    tune_prior(model, tok, args)
-    gains = fitted_gains(model, tok, args.methods)
+    prior = tune_prior(model, tok, args)
+    gains = fitted_gains(model, tok, args.methods, prior)
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
-    for domain, n, full_cache, tail, targets in prefills(model, tok, args.domains, args.contexts, args.continuation,
-                                                         args.windows):
-        # the full cache's logits first, the prefill record kept, so each compression is scored as it comes:
-        # one window's logits are held, not one per method and budget (268 MB each with Gemma 3's vocabulary)
-        ref = feeder(model, tail)(copy.deepcopy(full_cache))
+    for domain, n, rec, full_cache, tail, targets in prefills(model, tok, args.domains, args.contexts,
+                                                              args.continuation, args.windows,
+                                                              needs_all_queries(args.methods)):
+        # the full cache's logits first, so each compression is scored as it comes: one window's logits are
+        # held, not one per method and budget (268 MB each with Gemma 3's vocabulary)
+        ref = forward(model, full_cache, tail)
         base = nll(ref, targets)  # logits at tail position i predict token n + i + 1
         raw[domain, n, "full", 1.0, 0].append(dict(ratio=1.0, end=1.0, nll=base, base=base, kl=0.0))
-        for m, b, c in compressions(model, args.methods, args.budgets, gains):
+        for m, b, c in compressions(rec, args.methods, args.budgets, gains, prior):
             # a plain fp16 cache of the same layers after the continuation
             ratio = c.nbytes / c.fp16_bytes
             fp16_end = c.fp16_bytes + args.continuation * sum(4 * l.batch * l.heads * l.head_dim for l in c.layers)

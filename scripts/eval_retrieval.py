@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 import rdkv
-from common import (add_tune_prior, answer_scores, by_depth, compressions, fitted_gains, forward, full_reference, header,
-                    needs_all_queries, parser, probe_inputs, table, tune_prior, write)
+from common import (add_tune_prior, answer_scores, by_depth, compressions, fitted_gains, forward, header, needs_all_queries,
+                    parser, probe_inputs, table, tune_prior, write)
 from rdkv.calibrate import kl
 
 
@@ -36,17 +36,19 @@ def main() -> None:
     seeds = args.seeds or [args.seed]
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model, all_queries=needs_all_queries(args.methods))
-    tune_prior(model, tok, args)
-    gains = fitted_gains(model, tok, args.methods)
+    all_queries = needs_all_queries(args.methods)
+    prior = tune_prior(model, tok, args)
+    gains = fitted_gains(model, tok, args.methods, prior)
 
     raw = defaultdict(list)  # (protocol, method, budget) -> per-probe dicts
     jobs = [(n, d, s, p) for n in args.contexts for d in args.depths for s in seeds for p in args.protocols]
     for n, depth, seed, protocol in tqdm(jobs, desc="prefills"):
         prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, seed)
-        full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-        runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail)) for m, b, c in compressions(model, args.methods, args.budgets, gains)]
-        ref = full_reference(model, full_cache, tail)
+        with rdkv.record(model, all_queries=all_queries) as rec:
+            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        ref = forward(model, full_cache, tail)
+        runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail))
+                for m, b, c in compressions(rec, args.methods, args.budgets, gains, prior)]
         runs.append(("full", 1.0, 1.0, ref))
         for m, b, ratio, logits in runs:
             nll, em, margin = answer_scores(logits, tail, n_ans)

@@ -22,15 +22,15 @@ def main() -> None:
     matplotlib.use("Agg")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load("smollm2-135m")
-    rdkv.attach(model)
     probe = rdkv.models.retrieval_prompt(1000, 0.5, tok)
     ctx = tok(probe["context"], return_tensors="pt").input_ids
-    model(ctx, use_cache=True, logits_to_keep=1)
+    with rdkv.record(model) as rec:
+        model(ctx, use_cache=True, logits_to_keep=1)
     needle = f"The secret code {probe['code']}"
     at = plots.locate(tok, ctx[0], needle)
     span = range(at, at + len(tok(needle + " unlocks the hidden piano", add_special_tokens=False).input_ids))
     for budget, name in ((0.25, "025"), (0.1, "010")):
-        cache = rdkv.compress(model, budget)
+        cache = rdkv.compress(rec, budget)
         print(f"--- budget {budget}\n" + str(cache.report()).split("\n\n")[0])
         grid = plots.v_width_grid(cache)  # [layers, heads, T]
         per_layer = (grid == 0).float().mean((1, 2))

@@ -40,9 +40,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
-    full = model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1).past_key_values
-    layer = rdkv.compress(model, args.budget).layers[args.layer]
+    with rdkv.record(model) as rec:
+        full = model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1).past_key_values
+    layer = rdkv.compress(rec, args.budget).layers[args.layer]
     k, v = full.layers[args.layer].keys, full.layers[args.layer].values
     B, H, _, D = k.shape
     G = model.config.num_attention_heads // H

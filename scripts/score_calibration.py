@@ -25,7 +25,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    rdkv.attach(model)
     texts = calibration_texts(tok)
     calls = []
     for m in args.methods:

@@ -29,3 +29,12 @@ SMALL = dict(v_group=32, k_group=32, k_block=16)
 @pytest.fixture
 def llama():
     return tiny_llama()
+
+
+def recorded(model, ids, **record_options):
+    """(record, output) of one prefill of ``ids`` inside ``rdkv.record(model, **record_options)``."""
+    import rdkv
+
+    with rdkv.record(model, **record_options) as rec:
+        out = model(ids, use_cache=True)
+    return rec, out

@@ -135,11 +135,11 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
     same tokens, and logits within 2e-2. Measured: 1.8e-3 (SmolLM2) and 6.8e-3 (Gemma 3), float32 summation
     order differences grown through 30 and 18 layers, on logits of size ~10-30; a layout bug moves them by O(1)."""
     model, tok = rdkv.models.load(name)
-    rdkv.attach(model)
     ids = tok(rdkv.models.retrieval_prompt(1000, 0.5, tok)["context"], return_tensors="pt").input_ids
-    model(ids[:, :-1], use_cache=True, logits_to_keep=1)
-    cache = rdkv.compress(model, 0.1)
-    rdkv.release(model)
+    with rdkv.record(model) as rec:
+        model(ids[:, :-1], use_cache=True, logits_to_keep=1)
+    cache = rdkv.compress(rec, 0.1)
+    del rec  # the record holds the uncompressed cache
     runs = {}
     for backend in ("torch", "reference"):
         monkeypatch.setenv("RDKV_BACKEND", backend)
@@ -148,4 +148,3 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
     assert torch.equal(runs["torch"].sequences, runs["reference"].sequences)
     worst = max(float((a - b).abs().max()) for a, b in zip(runs["torch"].logits, runs["reference"].logits))
     assert worst < 2e-2
-    rdkv.detach(model)

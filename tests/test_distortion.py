@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import rdkv
-from conftest import SMALL, tiny_llama
+from conftest import SMALL, recorded, tiny_llama
 from rdkv.dense import AttentionSums, allowed_keys
 from rdkv.distortion import eviction_cross, layer_tables
 from rdkv.solvers.allocate import _reprice, allocate
@@ -78,11 +78,9 @@ def test_kept_repricing_only_raises_costs_and_catches_an_evicted_group():
 
 
 def test_unknown_evict_to_is_refused():
-    model = tiny_llama()
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 40)))
     with pytest.raises(rdkv.RDKVError, match="evict_to"):
-        rdkv.compress(model, 0.3, evict_to="nowhere", **SMALL)
+        rdkv.compress(rec, 0.3, evict_to="nowhere", **SMALL)
 
 
 def output_error(q, k, v, q_pos, k_pos, evicted) -> float:
@@ -134,47 +132,44 @@ def test_joint_repricing_keeps_a_crowd_the_additive_price_evicts():
     """Evicted together, the crowd's tokens move the output many times their summed additive prices; with
     ``joint_reprice`` the allocator evicts fewer of them, and the real output error of what it evicts drops."""
     from rdkv.dense import attend
-    from rdkv.distortion import joint_reprice
+    from rdkv.distortion import JointEviction
 
     q, k, v, q_pos, k_pos = crowd_head()
     _, sums = attend(q, k, v, q_pos, k_pos, k.shape[-1] ** -0.5)
     present = torch.ones(1, 1, k.shape[2], dtype=torch.bool)
     budget = 0.15 * k.shape[2] * 4 * k.shape[-1]
-    t = layer_tables(k, v, present, sums, k.shape[-1] ** -0.5, SPEC, k.shape[2])
-    plain = allocate([t], [budget], "layer")[0][0][0, 0]
-    t.reprice = joint_reprice(t, q, k, v, q_pos, k_pos, k.shape[-1] ** -0.5)
-    joint = allocate([t], [budget], "layer")[0][0][0, 0]
+    tables = lambda joint: layer_tables(k, v, present, sums, k.shape[-1] ** -0.5, SPEC, k.shape[2], joint=joint)  # noqa: E731
+    plain = allocate([tables(None)], [budget], "layer")[0][0][0, 0]
+    joint = allocate([tables(JointEviction(q, k, q_pos, k_pos))], [budget], "layer")[0][0][0, 0]
     err = lambda w: output_error(q[0], k[0], v[0], q_pos, k_pos, (w == 0)[None])  # noqa: E731
     assert int((joint == 0).sum()) < int((plain == 0).sum()) / 4  # measured 0 against 83
     assert err(joint) < 0.01 * err(plain)  # measured 2e-11 against 217
 
 
 def test_window_option_takes_the_last_recorded_queries_and_refuses_more():
-    model = tiny_llama()
-    rdkv.attach(model, window=16)
-    model(torch.randint(0, 96, (1, 64)), use_cache=True)
-    st = model._rdkv_state.layers[0]
+    rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 64)), window=16)
+    st = rec.layers[0]
     from rdkv.weights import layer_sums
     assert torch.allclose(layer_sums(st, "window", window=16).mass, layer_sums(st, "window").mass)
     assert float(layer_sums(st, "window", window=4).nq[0]) == 4 * st.window_q.shape[1] // st.key.shape[1]
     assert not torch.allclose(layer_sums(st, "window", window=4).mass, layer_sums(st, "window").mass)
-    with pytest.raises(rdkv.RDKVError, match="window=32 but attach recorded only the last 16"):
-        rdkv.compress(model, 0.3, window=32, **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="window=32 but the record kept only the last 16"):
+        rdkv.compress(rec, 0.3, window=32, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="window must be a positive int"):
-        rdkv.compress(model, 0.3, window=0, **SMALL)
+        rdkv.compress(rec, 0.3, window=0, **SMALL)
 
 
 def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
     """window_sliding changes the weights (so the tables) of Gemma 3's sliding layers and leaves the full
-    layer exactly as it was; asking for more than attach recorded is refused."""
+    layer exactly as it was; asking for more than the record kept is refused."""
     from conftest import tiny_gemma3
 
     from rdkv.api import allocation_tables
 
-    model = rdkv.attach(tiny_gemma3(), window=16)
-    model(torch.randint(0, 96, (1, 60)), use_cache=True)
-    _, base, _ = allocation_tables(model, "rdkv", window=4, **SMALL)
-    _, mixed, _ = allocation_tables(model, "rdkv", window=4, window_sliding=16, **SMALL)
+    model = tiny_gemma3()
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 60)), window=16)
+    _, base, _ = allocation_tables(rec, "rdkv", window=4, **SMALL)
+    _, mixed, _ = allocation_tables(rec, "rdkv", window=4, window_sliding=16, **SMALL)
     kinds = model.config.layer_types
     for kind, a, b in zip(kinds, base, mixed):
         if kind == "full_attention":
@@ -182,10 +177,10 @@ def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
         else:
             assert not torch.allclose(a.dv[..., 1:], b.dv[..., 1:])
     assert float(mixed[0].nq[0]) == 16 * 2 and float(mixed[2].nq[0]) == 4 * 2  # queries x query heads
-    with pytest.raises(rdkv.RDKVError, match="window_sliding=32 but attach recorded only the last 16"):
-        rdkv.compress(model, 0.3, window_sliding=32, **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="window_sliding=32 but the record kept only the last 16"):
+        rdkv.compress(rec, 0.3, window_sliding=32, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="window_sliding must be a positive int"):
-        rdkv.compress(model, 0.3, window_sliding=True, **SMALL)
+        rdkv.compress(rec, 0.3, window_sliding=True, **SMALL)
 
 
 def test_q_floor_mixes_the_channel_mean_into_k_weights():
@@ -216,10 +211,8 @@ def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():
     than the window are unchanged; the last token, seen only by the last query, is scaled by W."""
     from rdkv.weights import layer_sums, per_visible
 
-    model = tiny_llama(5)
-    rdkv.attach(model, window=16)
-    model(torch.randint(0, 96, (1, 64)), use_cache=True)
-    st = model._rdkv_state.layers[0]
+    rec, _ = recorded(tiny_llama(5), torch.randint(0, 96, (1, 64)), window=16)
+    st = rec.layers[0]
     plain = layer_sums(st, "window", window=16)
     got = per_visible(plain, st, st.start, 16)
     q, k = st.window_q[0].float(), st.key[0].float()  # [Hq, 16, D], [H, 64, D]
@@ -237,9 +230,9 @@ def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():
     assert torch.allclose(capped.mass2[..., 63], 4 * plain.mass2[..., 63])
     assert torch.equal(capped.mass2[..., :61], got.mass2[..., :61])
     with pytest.raises(rdkv.RDKVError, match="visible_cap must be a number >= 1"):
-        rdkv.compress(model, 0.3, visible=1, visible_cap=0.5, **SMALL)
+        rdkv.compress(rec, 0.3, visible=1, visible_cap=0.5, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="visible must be a number in"):
-        rdkv.compress(model, 0.3, visible=2, **SMALL)
+        rdkv.compress(rec, 0.3, visible=2, **SMALL)
 
 
 def test_lifetime_is_the_share_of_the_next_decode_queries_that_see_each_token():
@@ -263,10 +256,10 @@ def test_horizon_moves_bits_to_the_tokens_a_sliding_layer_keeps_longest():
     layer (every token stays visible) is allocated exactly as without it. A bad value is refused."""
     from conftest import tiny_gemma3
 
-    model = rdkv.attach(tiny_gemma3(2), window=16)
-    model(torch.randint(0, 96, (1, 60)), use_cache=True)
-    plain = rdkv.compress(model, 0.3, method="rdkv", **SMALL)  # (auto would pick rdkv-hybrid, horizon 512)
-    long = rdkv.compress(model, 0.3, method="rdkv", horizon=16, **SMALL)
+    model = tiny_gemma3(2)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 60)), window=16)
+    plain = rdkv.compress(rec, 0.3, method="rdkv", **SMALL)  # (auto would pick rdkv-hybrid, horizon 512)
+    long = rdkv.compress(rec, 0.3, method="rdkv", horizon=16, **SMALL)
     assert long.nbytes <= 0.3 * long.fp16_bytes
     for kind, a, b in zip(model.config.layer_types, plain.layers, long.layers):
         va, vb = a.v_widths().float(), b.v_widths().float()
@@ -276,30 +269,28 @@ def test_horizon_moves_bits_to_the_tokens_a_sliding_layer_keeps_longest():
             half = va.shape[-1] // 2
             assert vb[..., half:].mean() > va[..., half:].mean() and vb[..., :half].mean() < va[..., :half].mean()
     with pytest.raises(rdkv.RDKVError, match="horizon must be a positive int"):
-        rdkv.compress(model, 0.3, horizon=0, **SMALL)
+        rdkv.compress(rec, 0.3, horizon=0, **SMALL)
 
 
 def test_layer_gains_move_bytes_toward_the_layer_weighed_more():
     """One knapsack over both layers with each layer's distortion scaled: weighing layer 0 a thousand times
     more than layer 1 gives it more of the bytes than the reverse does, in the same total; gains of 1
     change nothing. Wrong length, non-positive gains and joint eviction pricing are refused."""
-    model = tiny_llama(4)
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    rec, _ = recorded(tiny_llama(4), torch.randint(0, 96, (1, 100)))
     kw = dict(scope="global", **SMALL)
-    plain = rdkv.compress(model, 0.25, **kw)
-    ones = rdkv.compress(model, 0.25, layer_gains=(1.0, 1.0), **kw)
+    plain = rdkv.compress(rec, 0.25, **kw)
+    ones = rdkv.compress(rec, 0.25, layer_gains=(1.0, 1.0), **kw)
     assert [layer.nbytes for layer in ones.layers] == [layer.nbytes for layer in plain.layers]
-    first = rdkv.compress(model, 0.25, layer_gains=(1e3, 1e-3), **kw)
-    second = rdkv.compress(model, 0.25, layer_gains=(1e-3, 1e3), **kw)
+    first = rdkv.compress(rec, 0.25, layer_gains=(1e3, 1e-3), **kw)
+    second = rdkv.compress(rec, 0.25, layer_gains=(1e-3, 1e3), **kw)
     assert max(first.nbytes, second.nbytes) <= 0.25 * first.fp16_bytes
     assert first.layers[0].nbytes > second.layers[0].nbytes and first.layers[1].nbytes < second.layers[1].nbytes
     for bad, match in (((1.0,), "layer_gains has 1 entries"), ((1.0, 0.0), "positive finite"),
                        ((1.0, float("nan")), "positive finite")):
         with pytest.raises(rdkv.RDKVError, match=match):
-            rdkv.compress(model, 0.25, layer_gains=bad, **kw)
+            rdkv.compress(rec, 0.25, layer_gains=bad, **kw)
     with pytest.raises(rdkv.RDKVError, match="evict_jointly"):
-        rdkv.compress(model, 0.25, layer_gains=(1.0, 1.0), evict_jointly=True, **kw)
+        rdkv.compress(rec, 0.25, layer_gains=(1.0, 1.0), evict_jointly=True, **kw)
 
 
 def test_sinks_are_the_sequence_s_first_tokens_not_a_sliding_window_s_oldest():
@@ -307,12 +298,12 @@ def test_sinks_are_the_sequence_s_first_tokens_not_a_sliding_window_s_oldest():
     no longer holds them protects none of its tokens: its oldest are about to leave the window."""
     from conftest import tiny_gemma3
 
-    model = rdkv.attach(tiny_gemma3(0))
-    model(torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(0)), use_cache=True)
-    _, tables, _ = rdkv.api.allocation_tables(model, "rdkv", sinks=4, recent=0, **SMALL)
+    model = tiny_gemma3(0)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(0)))
+    _, tables, _ = rdkv.api.allocation_tables(rec, "rdkv", sinks=4, recent=0, **SMALL)
     kinds = model.config.layer_types
     for t, kind in zip(tables, kinds):
-        pinned = torch.isinf(t.dv[0, :, :, 0])  # [H, held]: eviction priced at infinity
+        pinned = t.protect[0]  # [H, held]: tokens the allocator may not evict
         if kind == "full_attention":
             assert pinned[:, :4].all() and not pinned[:, 4:].any()
         else:

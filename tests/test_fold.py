@@ -3,14 +3,15 @@ import pytest
 import torch
 
 import rdkv
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.fold import FoldPolicy
 
 
 def prefill(model, n, seed=0):
-    rdkv.attach(model)
+    """(record, full cache) of a prefill of ``n`` random tokens."""
     ids = torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
-    return model(ids, use_cache=True).past_key_values
+    rec, out = recorded(model, ids)
+    return rec, out.past_key_values
 
 
 def fp16_bytes(layer, tokens: int) -> int:
@@ -21,8 +22,8 @@ def fp16_bytes(layer, tokens: int) -> int:
 def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy(fold):
     """At budget 1.0 every width is (nearly) lossless, so folded or not, logits track the full cache."""
     model = tiny_llama(6)
-    full = prefill(model, 50)
-    cache = rdkv.compress(model, 1.0, fold=fold, **SMALL)
+    rec, full = prefill(model, 50)
+    cache = rdkv.compress(rec, 1.0, fold=fold, **SMALL)
     toks = torch.randint(0, 96, (1, 2000), generator=torch.Generator().manual_seed(0))
     done = 0
     for step in range(2000):
@@ -48,9 +49,9 @@ def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy
 
 def test_fold_at_a_low_budget_charges_each_fold_its_fraction():
     model = tiny_llama(2)
-    prefill(model, 200)
+    rec, _ = prefill(model, 200)
     budget = 0.2
-    cache = rdkv.compress(model, budget, fold=FoldPolicy(every=128, budget=budget, keep=8, window=4), **SMALL)
+    cache = rdkv.compress(rec, budget, fold=FoldPolicy(every=128, budget=budget, keep=8, window=4), **SMALL)
     prefix = cache.nbytes
     toks = torch.randint(0, 96, (1, 400), generator=torch.Generator().manual_seed(1))
     for step in range(400):
@@ -69,8 +70,8 @@ def test_fold_at_a_low_budget_charges_each_fold_its_fraction():
 
 def test_sliding_layers_drop_folds_no_query_can_see():
     model = tiny_gemma3(3)
-    full = prefill(model, 40)
-    cache = rdkv.compress(model, 0.5, fold=16, **SMALL)
+    rec, full = prefill(model, 40)
+    cache = rdkv.compress(rec, 0.5, fold=16, **SMALL)
     toks = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(2))
     for step in range(300):
         got = model(toks[:, step : step + 1], past_key_values=cache).logits
@@ -85,8 +86,8 @@ def test_sliding_layers_drop_folds_no_query_can_see():
 
 def test_folded_cache_saves_loads_and_continues_identically(tmp_path):
     model = tiny_llama(4)
-    prefill(model, 60)
-    cache = rdkv.compress(model, 0.3, fold=40, **SMALL)
+    rec, _ = prefill(model, 60)
+    cache = rdkv.compress(rec, 0.3, fold=40, **SMALL)
     toks = torch.randint(0, 96, (1, 160), generator=torch.Generator().manual_seed(3))
     for step in range(100):
         model(toks[:, step : step + 1], past_key_values=cache)
@@ -105,8 +106,8 @@ def test_folded_cache_saves_loads_and_continues_identically(tmp_path):
                                         (1, "fold at least")])
 def test_bad_fold_policies_raise_before_anything_changes(fold, match):
     model = tiny_llama(5)
-    prefill(model, 30)
+    rec, _ = prefill(model, 30)
     with pytest.raises(rdkv.RDKVError, match=match):
-        rdkv.compress(model, 0.5, fold=fold, **SMALL)
+        rdkv.compress(rec, 0.5, fold=fold, **SMALL)
     with pytest.raises(rdkv.RDKVError, match="budget"):
-        FoldPolicy(every=64, budget=1.5).check(rdkv.compress(model, 0.5, **SMALL).layers[0])
+        FoldPolicy(every=64, budget=1.5).check(rdkv.compress(rec, 0.5, **SMALL).layers[0])

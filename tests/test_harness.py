@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import rdkv
-from conftest import tiny_gemma3, tiny_llama
-from rdkv.calibrate import kl
+from conftest import recorded, tiny_gemma3, tiny_llama
+from rdkv.calibrate import PriorFit, kl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import common  # noqa: E402
@@ -31,11 +31,9 @@ def test_scores_and_kl():
 
 
 def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit():
-    model = tiny_llama(7)
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    rec, _ = recorded(tiny_llama(7), torch.randint(0, 96, (1, 100)))
     methods = ["rdkv", "snapkv", "int8"]
-    runs = common.compressions(model, methods, [1e-4, 0.3], v_group=32, k_group=32, k_block=16)
+    runs = common.compressions(rec, methods, [1e-4, 0.3], v_group=32, k_group=32, k_block=16)
     got = [(m, b, round(c.nbytes / c.fp16_bytes, 3)) for m, b, c in runs]
     assert [(m, b) for m, b, _ in got] == [("rdkv", 0.3), ("snapkv", 0.3), ("int8", None)]  # 1e-4 is skipped
     assert all(r <= 0.3 for m, b, r in got if b) and got[-1][2] > 0.5
@@ -44,12 +42,10 @@ def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit(
 
 
 def test_method_overrides_reach_compress_and_bad_ones_are_refused():
-    model = tiny_llama(7)
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 100)), use_cache=True)
+    rec, _ = recorded(tiny_llama(7), torch.randint(0, 96, (1, 100)))
     assert common.split_method("rdkv-pool:surprisal=1,k_group=32,evict=False") == (
         "rdkv-pool", {"surprisal": 1, "k_group": 32, "evict": False})
-    runs = common.compressions(model, ["rdkv", "rdkv:evict=False"], [0.12], v_group=32, k_group=32, k_block=16)
+    runs = common.compressions(rec, ["rdkv", "rdkv:evict=False"], [0.12], v_group=32, k_group=32, k_block=16)
     (_, _, plain), (_, _, kept) = list(runs)
     assert (plain.layers[0].v_widths() == 0).any()  # at 12% the default evicts some tokens
     assert (kept.layers[0].v_widths() > 0).all()  # evict=False reached compress
@@ -59,6 +55,30 @@ def test_method_overrides_reach_compress_and_bad_ones_are_refused():
             common.split_method(bad)
 
 
+def test_a_tuned_prior_goes_to_the_rdkv_methods_that_choose_none():
+    """common.tune_prior's fit reaches compress as explicit floor/surprisal options, exactly where rdkv used
+    to apply a tuned prior itself: RDKV methods whose preset and options set neither, without a config."""
+    rec, _ = recorded(tiny_llama(7), torch.randint(0, 96, (1, 100)))
+    fit, kw = PriorFit(3.0, 3.0, ()), dict(v_group=32, k_group=32, k_block=16)
+    assert fit.options == {"floor": 3.0, "surprisal": 3.0}
+    assert common.tune_prior(None, None, argparse.Namespace(tune_prior=False)) is None  # no --tune-prior: no fit
+    given = {m: common.with_prior(rec.model, *common.split_method(m), fit) for m in
+             ("rdkv", "auto", "rdkv-global", "rdkv:surprisal=1", "rdkv-aware", "rdkv-floor", "rdkv-noprior", "snapkv")}
+    assert given == {"rdkv": fit.options, "auto": fit.options, "rdkv-global": fit.options,
+                     "rdkv:surprisal=1": {"surprisal": 1}, "rdkv-aware": {}, "rdkv-floor": {}, "rdkv-noprior": {},
+                     "snapkv": {}}
+    assert common.with_prior(rec.model, "rdkv", {"config": rdkv.CompressConfig()}, fit) == {"config": rdkv.CompressConfig()}
+    assert common.with_prior(rec.model, "rdkv", {"k_group": 32}, None) == {"k_group": 32}
+    methods = ["rdkv", "rdkv:floor=0", "rdkv-aware", "snapkv"]
+    got = {m: c for m, _, c in common.compressions(rec, methods, [0.2], prior=fit, **kw)}
+    plain = {m: c for m, _, c in common.compressions(rec, methods, [0.2], **kw)}
+    tuned = rdkv.compress(rec, 0.2, method="rdkv", floor=3.0, surprisal=3.0, **kw)
+    assert got["rdkv"].distortion == pytest.approx(tuned.distortion)
+    assert got["rdkv"].distortion != pytest.approx(plain["rdkv"].distortion)  # the prior changes the allocation
+    for m in methods[1:]:  # a prior of their own, or no prior at all: as without the fit
+        assert all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(got[m].layers, plain[m].layers))
+
+
 def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     """rdkv.calibrate's hybrids (used by diag_layers and fit_layer_gains): swapping every layer in gives the
     compressed cache's own logits, none gives the full cache's, and one layer gives something in between;
@@ -66,16 +86,19 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
     from rdkv.calibrate import plain_prefill, swap_in
 
     model = tiny_gemma3(3)
-    rdkv.attach(model)
     ids = torch.randint(0, 96, (1, 90))
     prefix, tail = ids[:, :70], ids[:, 70:]
-    full = plain_prefill(model, prefix)
-    c = rdkv.compress(model, 0.2, v_group=32, k_group=32, k_block=16)
-    through = common.feeder(model, tail)
+    with rdkv.record(model) as rec:
+        full = plain_prefill(model, prefix)
+    c = rdkv.compress(rec, 0.2, v_group=32, k_group=32, k_block=16)
+
+    def through(cache) -> torch.Tensor:
+        return common.forward(model, cache, tail)
+
     ref = through(copy.deepcopy(full))
     own = through(copy.deepcopy(c))
     n = len(c.layers)
-    assert {model._rdkv_state.layers[i].sliding_window is None for i in range(n)} == {True, False}
+    assert {rec.layers[i].sliding_window is None for i in range(n)} == {True, False}
     assert torch.allclose(through(swap_in(full, c, range(n))), own, atol=1e-5)
     assert torch.allclose(through(swap_in(full, c, [])), ref, atol=1e-5)
     assert kl(ref, own) > 1e-4  # the compression is not lossless, so the checks above can fail
@@ -84,9 +107,9 @@ def test_one_compressed_layer_can_stand_in_for_any_full_layer():
 
 
 def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
-    """eval_perplexity.prefills: every window's N-token prefix is the model's last prefill when it is yielded,
-    the tail follows it and each target is the token after its tail position; common.feeder
-    scores the full cache without changing what compress sees."""
+    """eval_perplexity.prefills: every window yields the record of its N-token prefix, the tail follows it
+    and each target is the token after its tail position; scoring the full cache afterwards, even through
+    the very cache the record refers to, does not change what compress sees."""
     import eval_perplexity
 
     class Chars:  # a tokenizer of one id per character: the script only calls tok(text, return_tensors=...)
@@ -94,20 +117,21 @@ def test_perplexity_windows_leave_each_prefix_as_the_prefill_to_compress():
             return argparse.Namespace(input_ids=torch.tensor([[ord(c) % 96 for c in text]]))
 
     model = tiny_llama(4)
-    rdkv.attach(model)
     ids = Chars()(common.domain_text("legal"), "pt").input_ids
     starts = eval_perplexity.windows(ids.shape[1], 40 + 8 + 1, 3)
     seen = 0
-    for (domain, n, full, tail, targets), a in zip(eval_perplexity.prefills(model, Chars(), ["legal"], [40], 8, 3), starts):
+    for (domain, n, rec, full, tail, targets), a in zip(eval_perplexity.prefills(model, Chars(), ["legal"], [40], 8, 3),
+                                                         starts):
         assert (domain, n, full.get_seq_length()) == ("legal", 40, 40)
         assert torch.equal(tail, ids[:, a + 40 : a + 48]) and torch.equal(targets, ids[0, a + 41 : a + 49])
-        assert torch.equal(model._rdkv_state.ids, ids[:, a : a + 40])  # compress would see this window's prefix
+        assert rec.closed and torch.equal(rec.ids, ids[:, a : a + 40])  # compress sees this window's prefix
         kw = dict(v_group=32, k_group=32, k_block=16)
-        before = rdkv.compress(model, 0.3, **kw)
-        ref = common.feeder(model, tail)(copy.deepcopy(full))  # the full cache's logits, the record kept
+        before = rdkv.compress(rec, 0.3, **kw)
+        ref = common.forward(model, copy.deepcopy(full), tail)  # the full cache's logits
         assert ref.shape == (8, 96) and full.get_seq_length() == 40
-        after = rdkv.compress(model, 0.3, **kw)
+        assert torch.equal(ref, common.forward(model, full, tail)) and full.get_seq_length() == 48
+        after = rdkv.compress(rec, 0.3, **kw)
         assert all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(before.layers, after.layers))
-        assert torch.equal(ref, common.forward(model, copy.deepcopy(full), tail))
+        assert torch.equal(rec.ids, ids[:, a : a + 40]) and all(st.seen == 40 for st in rec.layers.values())
         seen += 1
     assert seen == 3 and len(set(starts)) == 3

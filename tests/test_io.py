@@ -7,15 +7,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import rdkv
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.io import load, save
 
 
 def compressed(model, ids, budget=0.3, decode=3):
-    """attach, prefill, compress, then decode ``decode`` tokens so zone C is not empty."""
-    rdkv.attach(model)
-    model(ids, use_cache=True)
-    cache = rdkv.compress(model, budget, **SMALL)
+    """record a prefill, compress it, then decode ``decode`` tokens so zone C is not empty."""
+    rec, _ = recorded(model, ids)
+    cache = rdkv.compress(rec, budget, **SMALL)
     for _ in range(decode):
         model(torch.randint(0, 96, (ids.shape[0], 1)), past_key_values=cache)
     return cache
@@ -97,13 +96,10 @@ def test_load_places_tensors_on_the_device(saved, device):
 def test_same_prefill_gives_byte_identical_files(tmp_path):
     ids = torch.randint(0, 96, (1, 90))
     model = tiny_llama()
-    rdkv.attach(model)
-    model(ids, use_cache=True)
-    save(rdkv.compress(model, 0.3, **SMALL), tmp_path / "a")
-    save(rdkv.compress(model, 0.3, **SMALL), tmp_path / "b")
-    other = tiny_llama()  # a fresh model and a fresh prefill of the same tokens
-    rdkv.attach(other)
-    other(ids, use_cache=True)
+    rec, _ = recorded(model, ids)
+    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "a")
+    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "b")
+    other, _ = recorded(tiny_llama(), ids)  # a fresh model and a fresh prefill of the same tokens
     save(rdkv.compress(other, 0.3, **SMALL), tmp_path / "c")
     data = [(tmp_path / n).read_bytes() for n in "abc"]
     assert data[0] == data[1] == data[2]
@@ -192,10 +188,8 @@ def test_bfloat16_cache_round_trips(tmp_path):
 
 
 def test_v_group_per_width_round_trips(tmp_path):
-    model = tiny_llama(2)
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 80)), use_cache=True)
-    cache = rdkv.compress(model, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16)
+    rec, _ = recorded(tiny_llama(2), torch.randint(0, 96, (1, 80)))
+    cache = rdkv.compress(rec, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16)
     assert cache.layers[0].spec.v_group == (32, 16, 8)
     save(cache, tmp_path / "w")
     assert_identical(cache, load(tmp_path / "w"))

@@ -297,17 +297,16 @@ def test_window_weights_route_through_the_kernel(monkeypatch, arch):
     import rdkv
     from rdkv.weights import layer_sums
 
-    model = rdkv.attach((tiny_llama if arch == "llama" else tiny_gemma3)(0).to(DEVICE))
+    model = (tiny_llama if arch == "llama" else tiny_gemma3)(0).to(DEVICE)
     ids = torch.randint(0, 96, (2, 90), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     mask = torch.ones(2, 90, dtype=torch.long, device=DEVICE)
     mask[1, :20] = 0
-    model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=True)
+    with rdkv.record(model) as rec:
+        model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=True)
     calls = []
     real = tmod.attention_sums
     monkeypatch.setattr(tmod, "attention_sums", lambda *a, **k: calls.append(1) or real(*a, **k))
-    states = {id(m._rdkv_state): m._rdkv_state for m in model.modules() if hasattr(m, "_rdkv_state")}
-    (state,) = states.values()
-    for st in state.layers.values():
+    for st in rec.layers.values():
         monkeypatch.setenv("RDKV_BACKEND", "torch")
         want = layer_sums(st, "window", st.start + 5)
         monkeypatch.setenv("RDKV_BACKEND", "triton")
@@ -316,4 +315,4 @@ def test_window_weights_route_through_the_kernel(monkeypatch, arch):
         torch.testing.assert_close(got.mass2, want.mass2, **SUM_TOL)
         torch.testing.assert_close(got.q2, want.q2, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.nq, want.nq)
-    assert len(calls) == len(state.layers)
+    assert len(calls) == len(rec.layers)

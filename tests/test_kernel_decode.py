@@ -322,16 +322,16 @@ def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None, make=None, *
     model = (make or tiny_llama)(0).to(DEVICE)
     ids, nxt = ids.to(DEVICE), nxt.to(DEVICE)
     batch_mask = batch_mask.to(DEVICE) if batch_mask is not None else None
-    rdkv.attach(model)
     kw = {}
-    if batch_mask is not None:
-        pos = (batch_mask.cumsum(-1) - 1).clamp_min(0)
-        model(ids, attention_mask=batch_mask, position_ids=pos, use_cache=True)
-        kw = dict(attention_mask=torch.cat([batch_mask, torch.ones_like(nxt)], 1),
-                  position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1], device=DEVICE))
-    else:
-        model(ids, use_cache=True)
-    cache = rdkv.compress(model, 0.3, v_group=32, k_group=32, k_block=16, **options)
+    with rdkv.record(model) as rec:
+        if batch_mask is not None:
+            pos = (batch_mask.cumsum(-1) - 1).clamp_min(0)
+            model(ids, attention_mask=batch_mask, position_ids=pos, use_cache=True)
+            kw = dict(attention_mask=torch.cat([batch_mask, torch.ones_like(nxt)], 1),
+                      position_ids=pos[:, -1:] + 1 + torch.arange(nxt.shape[1], device=DEVICE))
+        else:
+            model(ids, use_cache=True)
+    cache = rdkv.compress(rec, 0.3, v_group=32, k_group=32, k_block=16, **options)
     first = model(nxt, past_key_values=cache, **kw).logits  # L = nxt.shape[1] query positions at once
     tok = first[:, -1:].argmax(-1)
     if batch_mask is not None:

@@ -56,7 +56,7 @@ def test_sparse_attention_favours_per_token_values_at_the_output():
 
 def test_capture_rebuilds_the_models_attention():
     model = tiny_llama()
-    cap = mech.attach(model)
+    cap = mech.capture(model)
     cap.on = True
     model(torch.arange(1, 25)[None])
     assert sorted(cap.layers) == [0, 1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rdkv
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 
 pytest.importorskip("matplotlib")
 from rdkv import api, plots  # noqa: E402
@@ -28,12 +28,11 @@ class Tok:
 @pytest.fixture(scope="module")
 def tiny():
     """One tiny Llama prefill (2 layers, 2 KV heads, head_dim 32, 120 tokens) compressed hard enough
-    that tokens get evicted."""
-    model = rdkv.attach(tiny_llama())
+    that tokens get evicted: (its record, the ids, the cache)."""
     ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0))
-    model(ids, use_cache=True)
-    cache = rdkv.compress(model, 0.1, **SMALL)
-    return model, ids, cache
+    rec, _ = recorded(tiny_llama(), ids)
+    cache = rdkv.compress(rec, 0.1, **SMALL)
+    return rec, ids, cache
 
 
 def test_v_width_heatmap_is_layers_by_positions_with_evictions_at_zero(tiny):
@@ -47,9 +46,8 @@ def test_v_width_heatmap_is_layers_by_positions_with_evictions_at_zero(tiny):
 
 
 def test_positions_outside_a_sliding_window_are_not_held():
-    model = rdkv.attach(tiny_gemma3())
-    model(torch.randint(0, 96, (1, 60)), use_cache=True)
-    cache = rdkv.compress(model, 0.3, **SMALL)
+    rec, _ = recorded(tiny_gemma3(), torch.randint(0, 96, (1, 60)))
+    cache = rdkv.compress(rec, 0.3, **SMALL)
     grid = plots.v_width_grid(cache)
     assert grid.shape == (3, 1, 60)
     for i, layer in enumerate(cache.layers):
@@ -99,10 +97,8 @@ def test_locate_finds_the_token_where_a_text_starts():
 
 
 def test_zone_sizes_count_kept_rows_and_fresh_tokens(llama):
-    rdkv.attach(llama)
-    ids = torch.randint(0, 96, (2, 80))
-    llama(ids, use_cache=True)
-    cache = rdkv.compress(llama, 0.2, **SMALL)
+    rec, _ = recorded(llama, torch.randint(0, 96, (2, 80)))
+    cache = rdkv.compress(rec, 0.2, **SMALL)
     llama(torch.randint(0, 96, (2, 3)), past_key_values=cache)  # 3 tokens into zone C
     top, bottom = plots.zone_sizes(cache).axes
     n = len(cache.layers)
@@ -125,9 +121,9 @@ def test_bytes_per_token_stacks_every_byte_of_each_layer(tiny):
 
 
 def test_rd_curve_is_the_solver_objective_and_the_chosen_cache_lies_on_it(tiny):
-    model, _, cache = tiny
+    rec, _, cache = tiny
     budgets = [0.1, 0.2, 0.5, 1.0]
-    fig = plots.rd_curve(model, budgets, chosen=cache, **SMALL)
+    fig = plots.rd_curve(rec, budgets, chosen=cache, **SMALL)
     assert api.allocate is allocate_module.allocate  # the interception is undone
     curve, star = fig.axes[0].lines[:2]
     assert list(curve.get_xdata()) == budgets
@@ -136,12 +132,12 @@ def test_rd_curve_is_the_solver_objective_and_the_chosen_cache_lies_on_it(tiny):
     assert star.get_xdata()[0] == 0.1 and star.get_ydata()[0] == pytest.approx(d[0], rel=1e-9)
     assert star.get_ydata()[0] == pytest.approx(cache.distortion, rel=1e-9)  # the unit compress reports
     # compress after the curve is unchanged by it
-    again = rdkv.compress(model, 0.1, **SMALL)
+    again = rdkv.compress(rec, 0.1, **SMALL)
     assert all(torch.equal(a.v_widths(), b.v_widths()) for a, b in zip(again.layers, cache.layers))
-    at, _ = plots.modelled_distortion(model, [1e-4], **SMALL)
+    at, _ = plots.modelled_distortion(rec, [1e-4], **SMALL)
     assert at[0] != at[0]  # a budget that cannot fit is NaN, not an error
     with pytest.raises(rdkv.RDKVError, match="no distortion model"):
-        plots.modelled_distortion(model, [0.5], method="snapkv")
+        plots.modelled_distortion(rec, [0.5], method="snapkv")
 
 
 def test_missing_matplotlib_names_the_extra(tiny, monkeypatch):

@@ -1,42 +1,53 @@
-"""attach -> prefill -> compress -> decode on tiny random-weight models (fast, exact checks)."""
+"""record a prefill -> compress -> decode on tiny random-weight models (fast, exact checks)."""
 import pytest
 import torch
 from transformers import DynamicCache
 
 import rdkv
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 
 
 @pytest.mark.parametrize("all_queries", [False, True])
-def test_prefill_through_rdkv_equals_sdpa(llama, all_queries):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_prefill_through_rdkv_equals_sdpa(arch, all_queries):
+    """A recorded prefill computes attention through transformers' own SDPA call: the same logits bit for bit
+    (so it allocates what a plain prefill does); with every query's sums, exact chunked attention."""
+    model = tiny_gemma3() if arch == "gemma3" else tiny_llama()
+    model.set_attn_implementation("sdpa")
     ids = torch.randint(0, 96, (2, 70))
-    want = llama(ids).logits
-    rdkv.attach(llama, all_queries=all_queries)
-    torch.testing.assert_close(llama(ids, use_cache=True).logits, want, rtol=1e-4, atol=1e-5)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    want = model(ids, attention_mask=mask).logits
+    with rdkv.record(model, all_queries=all_queries):
+        got = model(ids, attention_mask=mask, use_cache=True).logits
+    if all_queries:
+        torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-5)
+    else:  # padded, so the same mask and SDPA call as a plain prefill (test_reliability: the unpadded case)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("weights", ["window", "all"])
 def test_all_query_and_window_weights_both_compress(llama, weights):
     ids, nxt = torch.randint(0, 96, (1, 100)), torch.randint(0, 96, (1, 2))
-    rdkv.attach(llama, all_queries=weights == "all")
-    llama(ids, use_cache=True)
-    cache = rdkv.compress(llama, 0.3, weights=weights, **SMALL)
+    rec, _ = recorded(llama, ids, all_queries=weights == "all")
+    cache = rdkv.compress(rec, 0.3, weights=weights, **SMALL)
     assert cache.nbytes <= 0.3 * cache.fp16_bytes
     assert torch.isfinite(llama(nxt, past_key_values=cache).logits).all()
     if weights == "window":
         with pytest.raises(rdkv.RDKVError, match="all_queries=True"):
-            rdkv.compress(llama, 0.3, weights="all", **SMALL)
+            rdkv.compress(rec, 0.3, weights="all", **SMALL)
 
 
 def test_chunked_prefill_gives_the_same_statistics(llama):
     ids = torch.randint(0, 96, (1, 90))
-    rdkv.attach(llama, all_queries=True)
-    llama(ids, use_cache=True)
-    one = {i: s.sums.mass.clone() for i, s in llama._rdkv_state.layers.items()}
+    rec, _ = recorded(llama, ids, all_queries=True)
+    one = {i: s.sums.mass.clone() for i, s in rec.layers.items()}
     cache = DynamicCache(config=llama.config)
-    llama(ids[:, :50], past_key_values=cache)
-    llama(ids[:, 50:], past_key_values=cache)
-    for i, s in llama._rdkv_state.layers.items():
+    with rdkv.record(llama, all_queries=True) as chunked:  # forwards inside one block extend its record
+        llama(ids[:, :50], past_key_values=cache)
+        llama(ids[:, 50:], past_key_values=cache)
+    assert sorted(chunked.layers) == sorted(one) and chunked.ids.shape[1] == 90
+    for i, s in chunked.layers.items():
         torch.testing.assert_close(s.sums.mass, one[i], rtol=1e-4, atol=1e-5)
 
 
@@ -46,9 +57,9 @@ def continuation(model, cache, nxt):
 
 def test_budget_one_matches_the_full_cache(llama):
     ids, nxt = torch.randint(0, 96, (1, 100)), torch.randint(0, 96, (1, 4))
-    rdkv.attach(llama)
-    full = llama(ids, use_cache=True).past_key_values
-    cache = rdkv.compress(llama, 1.0, **SMALL)
+    rec, out = recorded(llama, ids)
+    full = out.past_key_values
+    cache = rdkv.compress(rec, 1.0, **SMALL)
     assert cache.get_seq_length() == 100
     got, want = continuation(llama, cache, nxt), continuation(llama, full, nxt)
     torch.testing.assert_close(got, want, rtol=0, atol=5e-3)  # only fp16 rounding of K and V remains
@@ -58,9 +69,9 @@ def test_budget_one_matches_the_full_cache(llama):
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.12])
 def test_bytes_stay_within_budget_and_quality_degrades_gracefully(llama, budget):
     ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 4))
-    rdkv.attach(llama)
-    full = llama(ids, use_cache=True).past_key_values
-    cache = rdkv.compress(llama, budget, spec=rdkv.PackSpec(**SMALL))
+    rec, out = recorded(llama, ids)
+    full = out.past_key_values
+    cache = rdkv.compress(rec, budget, spec=rdkv.PackSpec(**SMALL))
     assert cache.nbytes <= budget * cache.fp16_bytes
     assert cache.nbytes >= 0.95 * budget * cache.fp16_bytes  # the solver spends what it is given
     want = continuation(llama, full, nxt).log_softmax(-1)
@@ -71,7 +82,6 @@ def test_bytes_stay_within_budget_and_quality_degrades_gracefully(llama, budget)
 
 def test_left_padded_batch_equals_each_sequence_alone():
     model = tiny_llama(1)
-    rdkv.attach(model)
     a, b = torch.randint(0, 96, (1, 60)), torch.randint(0, 96, (1, 45))
     nxt = torch.randint(0, 96, (2, 3))
     pad = torch.cat([torch.zeros(1, 15, dtype=torch.long), b], 1)
@@ -79,24 +89,22 @@ def test_left_padded_batch_equals_each_sequence_alone():
     mask = torch.ones(2, 60, dtype=torch.long)
     mask[1, :15] = 0
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
-    batch = rdkv.compress(model, 0.3, **SMALL)
+    with rdkv.record(model) as rec:
+        model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    batch = rdkv.compress(rec, 0.3, **SMALL)
     mask2 = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1)
     got = model(nxt, past_key_values=batch, attention_mask=mask2, position_ids=pos[:, -1:] + 1 + torch.arange(3)).logits
     for i, seq in enumerate((a, b)):
-        model(seq, use_cache=True)
-        alone = rdkv.compress(model, 0.3, **SMALL)
+        alone = rdkv.compress(recorded(model, seq)[0], 0.3, **SMALL)
         want = model(nxt[i : i + 1], past_key_values=alone).logits
         torch.testing.assert_close(got[i : i + 1], want, rtol=1e-4, atol=1e-4)
 
 
 def test_generate_resumes_from_a_compressed_cache(llama):
     ids, q = torch.randint(0, 96, (1, 80)), torch.randint(0, 96, (1, 5))
-    rdkv.attach(llama)
-    full = llama(ids, use_cache=True).past_key_values
-    want = llama.generate(torch.cat([ids, q], 1), past_key_values=full, max_new_tokens=8, do_sample=False)
-    llama(ids, use_cache=True)
-    cache = rdkv.compress(llama, 1.0, **SMALL)
+    rec, out = recorded(llama, ids)
+    want = llama.generate(torch.cat([ids, q], 1), past_key_values=out.past_key_values, max_new_tokens=8, do_sample=False)
+    cache = rdkv.compress(rec, 1.0, **SMALL)  # generating from the full cache left the record as it was
     got = llama.generate(torch.cat([ids, q], 1), past_key_values=cache, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
     assert cache.get_seq_length() == 80 + 5 + 7
@@ -104,24 +112,23 @@ def test_generate_resumes_from_a_compressed_cache(llama):
 
 def test_gemma3_sliding_window_layers_decode_like_the_full_cache():
     model = tiny_gemma3()
-    rdkv.attach(model)
     ids = torch.randint(0, 96, (1, 40))  # longer than the 16-token window
-    full = model(ids, use_cache=True).past_key_values
-    cache = rdkv.compress(model, 1.0, spec=rdkv.PackSpec(**SMALL))
+    rec, out = recorded(model, ids)
+    full = out.past_key_values
+    cache = rdkv.compress(rec, 1.0, spec=rdkv.PackSpec(**SMALL))
     assert cache.layers[0].start == 40 - 15 and cache.layers[2].start == 0
     for step in range(20):  # decode past another window length, one token at a time
         tok = torch.randint(0, 96, (1, 1))
         torch.testing.assert_close(model(tok, past_key_values=cache).logits, model(tok, past_key_values=full).logits, rtol=0, atol=5e-3)
-    cache = rdkv.compress(model, 0.3, spec=rdkv.PackSpec(**SMALL))
+    cache = rdkv.compress(rec, 0.3, spec=rdkv.PackSpec(**SMALL))
     assert cache.nbytes <= 0.3 * cache.fp16_bytes
 
 
 def test_two_compressions_of_one_prefill_are_independent(llama):
     ids, nxt = torch.randint(0, 96, (1, 90)), torch.randint(0, 96, (1, 3))
-    rdkv.attach(llama)
-    llama(ids, use_cache=True)
-    c1 = rdkv.compress(llama, 0.3, **SMALL)
-    c2 = rdkv.compress(llama, 0.3, **SMALL)
+    rec, _ = recorded(llama, ids)
+    c1 = rdkv.compress(rec, 0.3, **SMALL)
+    c2 = rdkv.compress(rec, 0.3, **SMALL)
     assert c1.nbytes == c2.nbytes
     a = continuation(llama, c1, nxt)
     continuation(llama, c1, nxt)  # c1 grows, c2 must not
@@ -131,11 +138,10 @@ def test_two_compressions_of_one_prefill_are_independent(llama):
 @pytest.mark.parametrize("method", rdkv.methods.METHODS)
 def test_every_method_packs_within_its_bytes_and_decodes(method):
     model = tiny_llama(2)
-    rdkv.attach(model, all_queries=True)
     ids, nxt = torch.randint(0, 96, (2, 150)), torch.randint(0, 96, (2, 3))
-    model(ids, use_cache=True)
+    rec, _ = recorded(model, ids, all_queries=True)
     fixed = method in rdkv.methods.FIXED_RATE
-    cache = rdkv.compress(model, None if fixed else 0.2, method=method, v_group=32, k_block=16)
+    cache = rdkv.compress(rec, None if fixed else 0.2, method=method, v_group=32, k_block=16)
     ratio = cache.nbytes / cache.fp16_bytes
     widths = cache.layers[0].v_widths()
     if fixed:
@@ -153,22 +159,18 @@ def test_every_method_packs_within_its_bytes_and_decodes(method):
 
 def test_auto_picks_the_preset_for_the_attention_layout():
     """``auto`` (compress's default) is rdkv on an all-global model and rdkv-hybrid where sliding-window and
-    global layers mix, with the preset's query windows capped at what attach recorded."""
+    global layers mix, with the preset's query windows capped at what the record kept."""
     ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0))
-    llama = tiny_llama(3)
-    rdkv.attach(llama)
-    llama(ids, use_cache=True)
-    auto, plain = rdkv.compress(llama, 0.2, **SMALL), rdkv.compress(llama, 0.2, method="rdkv", **SMALL)
+    rec, _ = recorded(tiny_llama(3), ids)
+    auto, plain = rdkv.compress(rec, 0.2, **SMALL), rdkv.compress(rec, 0.2, method="rdkv", **SMALL)
     assert auto.method == "rdkv" and _same_widths(auto, plain)
-    gemma = tiny_gemma3(3)
-    rdkv.attach(gemma, window=32)
-    gemma(ids, use_cache=True)
-    auto = rdkv.compress(gemma, 0.2, **SMALL)
-    hybrid = rdkv.compress(gemma, 0.2, method="rdkv-hybrid", window=32, window_sliding=32, **SMALL)
+    rec, _ = recorded(tiny_gemma3(3), ids, window=32)
+    auto = rdkv.compress(rec, 0.2, **SMALL)
+    hybrid = rdkv.compress(rec, 0.2, method="rdkv-hybrid", window=32, window_sliding=32, **SMALL)
     assert auto.method == "rdkv-hybrid" and "(rdkv-hybrid)" in str(auto.report()) and _same_widths(auto, hybrid)
-    assert not _same_widths(auto, rdkv.compress(gemma, 0.2, method="rdkv", **SMALL))
-    with pytest.raises(rdkv.RDKVError, match="recorded only the last 32"):  # the named preset is not capped
-        rdkv.compress(gemma, 0.2, method="rdkv-hybrid", **SMALL)
+    assert not _same_widths(auto, rdkv.compress(rec, 0.2, method="rdkv", **SMALL))
+    with pytest.raises(rdkv.RDKVError, match="the record kept only the last 32"):  # the named preset is not capped
+        rdkv.compress(rec, 0.2, method="rdkv-hybrid", **SMALL)
 
 
 def _same_widths(a, b) -> bool:
@@ -177,21 +179,20 @@ def _same_widths(a, b) -> bool:
 
 
 def test_fixed_rate_method_over_budget_raises(llama):
-    rdkv.attach(llama)
-    llama(torch.randint(0, 96, (1, 60)), use_cache=True)
+    rec, _ = recorded(llama, torch.randint(0, 96, (1, 60)))
     with pytest.raises(rdkv.RDKVError, match="int8 needs"):
-        rdkv.compress(llama, 0.3, method="int8", **SMALL)
+        rdkv.compress(rec, 0.3, method="int8", **SMALL)
     with pytest.raises(rdkv.RDKVError, match="unknown method"):
-        rdkv.compress(llama, 0.3, method="h2o")
+        rdkv.compress(rec, 0.3, method="h2o")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     model = tiny_llama(5, dtype)
-    rdkv.attach(model)
     ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 3))
-    full = model(ids, use_cache=True).past_key_values
-    cache = rdkv.compress(model, 1.0, **SMALL)
+    rec, out = recorded(model, ids)
+    full = out.past_key_values
+    cache = rdkv.compress(rec, 1.0, **SMALL)
     assert cache.layers[0].t["vc"].dtype == dtype
     held = cache.report().totals()
     assert held["v16"] == sum(held[f"v{w}"] for w in (0, 2, 4, 8, 16))  # a 16-bit cache stays 16-bit...
@@ -201,10 +202,9 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
 
 def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
     """pool_weights=7 max-pools the attention sums: no token's price can fall, some must rise."""
-    rdkv.attach(llama)
-    llama(torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(1)), use_cache=True)
-    _, plain, _ = rdkv.api.allocation_tables(llama, **SMALL)
-    _, pooled, _ = rdkv.api.allocation_tables(llama, pool_weights=7, **SMALL)
+    rec, _ = recorded(llama, torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(1)))
+    _, plain, _ = rdkv.api.allocation_tables(rec, **SMALL)
+    _, pooled, _ = rdkv.api.allocation_tables(rec, pool_weights=7, **SMALL)
     for a, b in zip(plain, pooled):  # quantized widths (1..4): only the token's weight changes, not its error
         assert (b.dv[..., 1:] >= a.dv[..., 1:] * (1 - 1e-6)).all()
         assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()
@@ -212,12 +212,11 @@ def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
 
 def test_report_names_the_layers_that_hold_the_modelled_distortion(llama):
     """The report's distortion line sums the cache's per-layer parts and ranks them; baselines have none."""
-    rdkv.attach(llama)
-    llama(torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2)), use_cache=True)
-    cache = rdkv.compress(llama, 0.2, **SMALL)
+    rec, _ = recorded(llama, torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2)))
+    cache = rdkv.compress(rec, 0.2, **SMALL)
     d = cache.layer_distortion
     assert len(d) == 2 and min(d) > 0 and sum(d) == pytest.approx(cache.distortion, rel=1e-12)
     top = max(range(2), key=lambda i: d[i])
     line = next(x for x in str(cache.report()).splitlines() if x.startswith("modelled distortion"))
     assert f"{cache.distortion:.4g}" in line and f"layers {top} ({d[top] / sum(d):.0%})" in line
-    assert "modelled distortion" not in str(rdkv.compress(llama, method="int4", **SMALL).report())
+    assert "modelled distortion" not in str(rdkv.compress(rec, method="int4", **SMALL).report())

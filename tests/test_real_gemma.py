@@ -19,17 +19,17 @@ def run():
     layer gains fitted on the text's first 512 tokens, and the prefill compressed again after the fit; then
     64 tokens teacher-forced through each cache and through the full cache."""
     model, tok = rdkv.models.load("gemma3-270m")
-    rdkv.attach(model)
     ids = tok("\n\n".join(topics[k] for k in sorted(topics)), return_tensors="pt").input_ids[:, 20000:21088]
     prefix, tail = ids[:, :1024], ids[:, 1024:]
-    full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+    with rdkv.record(model) as rec:
+        full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
     out = {"types": model.config.layer_types}
     for name, kw in (("plain", {}), ("horizon", {"horizon": 512})):
-        cache = rdkv.compress(model, 0.25, method="rdkv-visible-wgl256", **kw)
+        cache = rdkv.compress(rec, 0.25, method="rdkv-visible-wgl256", **kw)
         widths = [layer.v_widths()[0].float() for layer in cache.layers]
         out[name] = (cache.nbytes, cache.fp16_bytes, widths, model(tail, past_key_values=cache).logits[0].float())
     out["gains"] = rdkv.fit_layer_gains(model, ids[:, :512], method="rdkv-hybrid")  # 384 prefilled, 128 forced
-    out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(model, 0.25, method="rdkv-visible-wgl256").layers]
+    out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(rec, 0.25, method="rdkv-visible-wgl256").layers]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0].float()
     return out
 

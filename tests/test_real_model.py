@@ -10,24 +10,23 @@ from rdkv.solvers import exact, lagrangian
 
 @pytest.fixture(scope="module")
 def run():
-    """Prefill a 1k-token retrieval probe once; compress at 1.0 and 0.25; then score the full cache
-    (an ordinary cache extends the statistics, so it goes last)."""
+    """Record one prefill of a 1k-token retrieval probe; compress it at 1.0 and 0.25; score the full cache."""
     model, tok = rdkv.models.load("smollm2-135m")
-    rdkv.attach(model)
     probe = rdkv.models.retrieval_prompt(1000, 0.5, tok)
     ctx = tok(probe["context"], return_tensors="pt").input_ids
     tail = tok(probe["question"] + probe["answer"], return_tensors="pt", add_special_tokens=False).input_ids
     n_ans = len(tok(probe["answer"], add_special_tokens=False).input_ids)
-    full = model(ctx, use_cache=True, logits_to_keep=1).past_key_values
+    with rdkv.record(model) as rec:
+        full = model(ctx, use_cache=True, logits_to_keep=1).past_key_values
     out = {"n_ans": n_ans, "tail": tail}
     for budget in (1.0, 0.25):
-        cache = rdkv.compress(model, budget)
+        cache = rdkv.compress(rec, budget)
         out[budget] = (cache.nbytes, cache.fp16_bytes, model(tail, past_key_values=cache).logits[0])
         if budget == 0.25:
             out["widths"] = torch.stack([layer.v_widths()[0] for layer in cache.layers])  # [layers, H, T]
-    visible = rdkv.compress(model, 0.25, visible=1.0)
+    visible = rdkv.compress(rec, 0.25, visible=1.0)
     out["visible"] = (visible.nbytes, visible.fp16_bytes, torch.stack([layer.v_widths()[0] for layer in visible.layers]))
-    out["tables"] = rdkv.api.allocation_tables(model)[1]
+    out["tables"] = rdkv.api.allocation_tables(rec)[1]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0]
     return out
 

@@ -1,20 +1,22 @@
 """Bad input gets a clear error and changes nothing; numerical edge cases stay exact where they can."""
+import gc
 import math
+import weakref
 
 import pytest
 import torch
+from transformers import StaticCache
 
 import rdkv
-from conftest import SMALL, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 
 
 @pytest.fixture
 def prefilled():
     model = tiny_llama(3)
-    rdkv.attach(model)
     ids = torch.randint(0, 96, (1, 80))
-    full = model(ids, use_cache=True).past_key_values
-    return model, ids, full
+    rec, out = recorded(model, ids)
+    return rec, ids, out.past_key_values
 
 
 @pytest.mark.parametrize("budget,match", [
@@ -22,21 +24,19 @@ def prefilled():
     ("0.1", "must be a number"), (True, "must be a number"), (None, "must be a number"), (1e-4, "too small"),
 ])
 def test_bad_budgets_raise_and_change_nothing(prefilled, budget, match):
-    model, ids, full = prefilled
+    rec, ids, full = prefilled
     keys = [l.keys.clone() for l in full.layers]
-    stats = {i: s.key for i, s in model._rdkv_state.layers.items()}
+    stats = {i: s.key for i, s in rec.layers.items()}
     with pytest.raises(rdkv.RDKVError, match=match):
-        rdkv.compress(model, budget, **SMALL)
+        rdkv.compress(rec, budget, **SMALL)
     assert all(torch.equal(a, l.keys) for a, l in zip(keys, full.layers))
-    assert all(model._rdkv_state.layers[i].key is k for i, k in stats.items())
+    assert all(rec.layers[i].key is k for i, k in stats.items())
     # generation after the failed call is what it would have been without it
     nxt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(0))
-    cache = rdkv.compress(model, 0.5, **SMALL)
-    model2 = tiny_llama(3)
-    rdkv.attach(model2)
-    model2(ids, use_cache=True)
-    torch.testing.assert_close(model(nxt, past_key_values=cache).logits,
-                               model2(nxt, past_key_values=rdkv.compress(model2, 0.5, **SMALL)).logits, rtol=0, atol=0)
+    cache = rdkv.compress(rec, 0.5, **SMALL)
+    rec2, _ = recorded(tiny_llama(3), ids)
+    torch.testing.assert_close(rec.model(nxt, past_key_values=cache).logits,
+                               rec2.model(nxt, past_key_values=rdkv.compress(rec2, 0.5, **SMALL)).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -46,39 +46,40 @@ def test_bad_budgets_raise_and_change_nothing(prefilled, budget, match):
     (dict(floor=-1.0), "must be >= 0"), (dict(pool_weights=4), "positive odd"), (dict(passes=0), "passes must be"),
 ])
 def test_bad_options_raise(prefilled, kwargs, match):
-    model, _, _ = prefilled
+    rec, _, _ = prefilled
     with pytest.raises(rdkv.RDKVError, match=match):
-        rdkv.compress(model, 0.3, **{**SMALL, **kwargs})
+        rdkv.compress(rec, 0.3, **{**SMALL, **kwargs})
 
 
-def test_compress_needs_attach_and_a_prefill():
+def test_compress_needs_a_record_with_a_prefill():
     model = tiny_llama()
-    with pytest.raises(rdkv.RDKVError, match="not attached"):
+    with pytest.raises(rdkv.RDKVError, match="rdkv.record"):
         rdkv.compress(model, 0.3)
-    rdkv.attach(model)
-    with pytest.raises(rdkv.RDKVError, match="no prefill"):
-        rdkv.compress(model, 0.3)
+    with rdkv.record(model) as rec:
+        pass
+    with pytest.raises(rdkv.NotRecorded, match="no prefill"):
+        rdkv.compress(rec, 0.3)
     with pytest.raises(rdkv.RDKVError, match="no transformers attention"):
-        rdkv.attach(torch.nn.Linear(2, 2))
+        with rdkv.record(torch.nn.Linear(2, 2)):
+            pass
+    with pytest.raises(rdkv.RDKVError, match="no transformers attention"):
+        rdkv.install(torch.nn.Linear(2, 2))
 
 
-def test_nan_in_the_cache_is_refused(prefilled):
-    model, _, _ = prefilled
-    st = model._rdkv_state.layers[1]
-    saved = st.value
-    st.value = saved.clone()
-    st.value[0, 0, 5, 3] = float("nan")
+def test_nan_in_the_cache_is_refused():
+    model = tiny_llama(3)
+    model.model.layers[1].self_attn.v_proj.weight[5, 3] = float("nan")  # a broken prefill: NaN in layer 1's values
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 80)))
+    assert torch.isfinite(rec.layers[0].value).all() and not torch.isfinite(rec.layers[1].value).all()
     with pytest.raises(rdkv.RDKVError, match="NaN or Inf"):
-        rdkv.compress(model, 0.3, **SMALL)
-    st.value = saved
+        rdkv.compress(rec, 0.3, **SMALL)
 
 
 def test_single_token_and_shorter_than_a_group():
     model = tiny_llama(4)
-    rdkv.attach(model)
     for n in (1, 5):  # k_group = 32 > n
-        model(torch.randint(0, 96, (1, n)), use_cache=True)
-        cache = rdkv.compress(model, 1.0, **SMALL)
+        rec, _ = recorded(model, torch.randint(0, 96, (1, n)))
+        cache = rdkv.compress(rec, 1.0, **SMALL)
         # ~50 B of per-head metadata (counts, channel order) does not fit next to 5 tokens at 16 bits,
         # so widths drop, but nothing is evicted, the budget holds and decoding works
         assert cache.nbytes <= cache.fp16_bytes and cache.report().totals()["v0"] == 0
@@ -101,25 +102,115 @@ def test_outlier_channels_and_constant_rows_pack_without_loss_of_range():
     assert (K[0, :, 9] - k[0, 0, :, 9]).abs().max() <= 14000 / 64 * 32 / 3 / 2 * 1.01  # half a 2-bit step per group
 
 
-def test_attaching_twice_keeps_one_set_of_hooks_and_release_forgets_everything():
+def test_forwards_after_the_block_leave_the_record_as_it_was():
+    """Outside its block nothing changes a record: not a new prefill, not a continuation of the recorded cache;
+    it compresses to the same cache as before them. The block leaves no hooks behind, and the model keeps no
+    reference to the record, so dropping it frees what it holds."""
     model = tiny_llama(8)
-    rdkv.attach(model)
-    rdkv.attach(model)
-    assert len(model._rdkv_hooks) == 2 and len(model._forward_pre_hooks) == 1
-    model(torch.randint(0, 96, (1, 40)), use_cache=True)
-    state = model._rdkv_state
-    assert state.hidden.shape[1] == 40 and state.ids.shape[1] == 40
-    rdkv.release(model)
-    assert state.hidden is None and state.ids is None and not state.layers
-    with pytest.raises(rdkv.RDKVError, match="no prefill"):
-        rdkv.compress(model, 0.3, **SMALL)
+    rec, out = recorded(model, torch.randint(0, 96, (1, 40)))
+    assert rec.closed and rec.hidden.shape[1] == 40 and rec.ids.shape[1] == 40
+    assert not model._forward_pre_hooks and not model.model.norm._forward_hooks
+    ids, hidden, layers = rec.ids.clone(), rec.hidden.clone(), dict(rec.layers)
+    versions = {i: (s.key._version, s.value._version) for i, s in layers.items()}
+    before = rdkv.compress(rec, 0.3, **SMALL)
+    model(torch.randint(0, 96, (1, 60)), use_cache=True)  # another prefill
+    model(torch.randint(0, 96, (1, 4)), past_key_values=out.past_key_values, use_cache=True)  # a continuation
+    assert torch.equal(rec.ids, ids) and torch.equal(rec.hidden, hidden) and rec.layers == layers
+    assert all(s.seen == 40 and s.key.shape[-2] == 40 for s in rec.layers.values())
+    assert {i: (s.key._version, s.value._version) for i, s in rec.layers.items()} == versions
+    after = rdkv.compress(rec, 0.3, **SMALL)
+    assert after.get_seq_length() == 40 and after.nbytes == before.nbytes
+    assert all(torch.equal(a.v_widths(), b.v_widths()) and torch.equal(a.k_widths(), b.k_widths())
+               for a, b in zip(after.layers, before.layers))
+    gone = weakref.ref(rec)
+    del rec
+    gc.collect()
+    assert gone() is None
 
 
-def test_continuing_a_cache_filled_before_attach_is_refused_clearly():
-    """Re-attaching drops the statistics; a cache filled before that cannot be weighed, so say so."""
+def test_compress_on_an_open_record_is_not_recorded():
+    model = tiny_llama(8)
+    with rdkv.record(model) as rec:
+        model(torch.randint(0, 96, (1, 40)), use_cache=True)
+        with pytest.raises(rdkv.NotRecorded, match="still open"):
+            rdkv.compress(rec, 0.3, **SMALL)
+    assert rdkv.compress(rec, 0.3, **SMALL).get_seq_length() == 40
+
+
+def test_a_second_open_record_of_one_model_is_refused():
+    """One record at a time: a second ``with`` inside the first raises and leaves the first recording."""
+    model = tiny_llama(8)
+    with rdkv.record(model) as rec:
+        with pytest.raises(rdkv.RDKVError, match="already open"):
+            with rdkv.record(model):
+                pass
+        model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    assert rec.ids.shape[1] == 40 and rdkv.compress(rec, 0.3, **SMALL).get_seq_length() == 40
+    other, _ = recorded(model, torch.randint(0, 96, (1, 20)))  # once the block has ended, a new record opens
+    assert other.ids.shape[1] == 20 and rec.ids.shape[1] == 40
+
+
+def test_an_in_place_change_of_the_recorded_cache_is_refused_at_compress():
+    """The record refers to the cache's own tensors: a change made to them after the block (by hand, or by
+    reusing a static cache's buffers for another prefill) is caught at compress, not compressed silently."""
+    model = tiny_llama(8)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 40)))
+    rec.layers[0].key.add_(0)
+    with pytest.raises(rdkv.RDKVError, match="changed in place"):
+        rdkv.compress(rec, 0.3, **SMALL)
+    static = StaticCache(config=model.config, max_cache_len=40)
+    with rdkv.record(model) as rec:
+        model(torch.randint(0, 96, (1, 40)), past_key_values=static, use_cache=True)
+    assert rdkv.compress(rec, 0.3, **SMALL).get_seq_length() == 40
+    static.reset()
+    model(torch.randint(0, 96, (1, 40)), past_key_values=static, use_cache=True)  # the buffers hold another text
+    with pytest.raises(rdkv.RDKVError, match="changed in place"):
+        rdkv.compress(rec, 0.3, **SMALL)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_after_the_block_the_model_runs_as_sdpa(make):
+    """The model keeps the "rdkv" attention implementation; on ordinary caches it is transformers' SDPA:
+    a prefill, and a decode step on its cache, against the same weights with "sdpa". Bit for bit, except
+    a sliding-window layer's unpadded prefill, which rdkv attends in window-sized query chunks instead of
+    through a [T, T] mask: there the fp32 sums run in another order (error ~1e-7 on logits of ~1)."""
+    model, sdpa = make(8), make(8)
+    sdpa.set_attn_implementation("sdpa")
+    ids, nxt = torch.randint(0, 96, (2, 50)), torch.randint(0, 96, (2, 1))
+    recorded(model, ids[:, :30])
+    assert model.config._attn_implementation == "rdkv"
+    got, want = model(ids, use_cache=True), sdpa(ids, use_cache=True)
+    step, want_step = model(nxt, past_key_values=got.past_key_values).logits, sdpa(nxt, past_key_values=want.past_key_values).logits
+    if make is tiny_llama:
+        assert torch.equal(got.logits, want.logits) and torch.equal(step, want_step)
+    else:
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=2e-6)
+        torch.testing.assert_close(step, want_step, rtol=0, atol=2e-6)
+        padded = torch.ones_like(ids)
+        padded[0, :3] = 0  # with padding, transformers' own mask and SDPA call: bit for bit again
+        keep = padded.bool()
+        assert torch.equal(model(ids, attention_mask=padded).logits[keep], sdpa(ids, attention_mask=padded).logits[keep])
+
+
+def test_windowed_attention_is_sliding_window_attention():
+    """The chunked sliding-window prefill equals dense masked attention, GQA included, at window sizes that do
+    and do not divide the length."""
+    from rdkv.attention import _windowed
+    from rdkv.dense import allowed_keys
+
+    g = torch.Generator().manual_seed(0)
+    for T, W in ((50, 16), (64, 16), (33, 40), (7, 3)):
+        q, k, v = (torch.randn(2, h, T, 8, generator=g) for h in (4, 2, 2))
+        pos = torch.arange(T)
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, 1)) * 0.3
+        want = s.masked_fill(~allowed_keys(pos, pos, W), float("-inf")).softmax(-1) @ v.repeat_interleave(2, 1)
+        torch.testing.assert_close(_windowed(q, k, v, 0.3, W), want, rtol=1e-5, atol=1e-6)
+
+
+def test_continuing_a_cache_filled_outside_the_record_is_refused_clearly():
+    """A cache filled before the block cannot be weighed, so say so."""
     model = tiny_llama()
-    rdkv.attach(model)
     cache = model(torch.randint(0, 96, (1, 20)), use_cache=True).past_key_values
-    rdkv.attach(model)
-    with pytest.raises(rdkv.RDKVError, match="already held 20 tokens that rdkv did not see"):
-        model(torch.randint(0, 96, (1, 4)), past_key_values=cache, use_cache=True)
+    with pytest.raises(rdkv.RDKVError, match="already held 20 tokens that the record did not see"):
+        with rdkv.record(model):
+            model(torch.randint(0, 96, (1, 4)), past_key_values=cache, use_cache=True)

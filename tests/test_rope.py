@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rdkv
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.io import load, save
 from rdkv.rope import pair_mean, rotate
 
@@ -30,9 +30,9 @@ def test_pair_mean_spreads_each_pair_evenly():
 
 def logits_after(model, ids, budget, **kw):
     """(compressed cache, its logits over ids[:, 60:], the full cache's, the full prefill cache)."""
-    rdkv.attach(model)
-    full = model(ids[:, :60], use_cache=True).past_key_values
-    cache = rdkv.compress(model, budget, **SMALL, **kw)
+    rec, out = recorded(model, ids[:, :60])
+    full = out.past_key_values
+    cache = rdkv.compress(rec, budget, **SMALL, **kw)
     got = model(ids[:, 60:], past_key_values=cache).logits
     ref = model(ids[:, 60:], past_key_values=copy.deepcopy(full)).logits
     return cache, got, ref, full
@@ -69,13 +69,12 @@ def test_prerope_cache_saves_loads_and_counts_its_table(tmp_path):
 
 def test_a_model_without_rotate_half_rope_is_refused_and_nothing_changes():
     model = tiny_llama()
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 40)))
     model.config.model_type = "phi"
     with pytest.raises(rdkv.RDKVError, match="rotate-half"):
-        rdkv.compress(model, 0.3, prerope=True, **SMALL)
+        rdkv.compress(rec, 0.3, prerope=True, **SMALL)
     model.config.model_type = "llama"
-    assert rdkv.compress(model, 0.3, **SMALL).nbytes > 0
+    assert rdkv.compress(rec, 0.3, **SMALL).nbytes > 0
 
 
 def test_triton_decode_refuses_a_damaged_rope_table():
@@ -84,10 +83,8 @@ def test_triton_decode_refuses_a_damaged_rope_table():
     pytest.importorskip("triton")
     from rdkv.kernels.trizone_decode import check
 
-    model = tiny_llama()
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 40)), use_cache=True)
-    layer = rdkv.compress(model, 0.3, prerope=True, **SMALL).layers[0]
+    rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 40)))
+    layer = rdkv.compress(rec, 0.3, prerope=True, **SMALL).layers[0]
     check(torch.zeros(1, 4, 1, 32), layer, None, None)
     for bad in (layer.t["rope"][:-1], layer.t["rope"].double()):
         layer.t["rope"] = bad
@@ -97,10 +94,9 @@ def test_triton_decode_refuses_a_damaged_rope_table():
 
 def test_rope_whose_angles_are_not_position_times_frequency_is_refused():
     model = tiny_llama()
-    rdkv.attach(model)
-    model(torch.randint(0, 96, (1, 40)), use_cache=True)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 40)))
     rot = model.model.rotary_emb
     plain = rot.forward
     rot.forward = lambda x, pos: tuple(t * 1.1 for t in plain(x, pos))  # e.g. a sequence-dependent scaling
     with pytest.raises(rdkv.RDKVError, match="not position x inv_freq"):
-        rdkv.compress(model, 0.3, prerope=True, **SMALL)
+        rdkv.compress(rec, 0.3, prerope=True, **SMALL)

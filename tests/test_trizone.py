@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from rdkv import quant
-from rdkv.distortion import LayerTables, fixed_bytes, layer_tables
+from rdkv.distortion import layer_tables
 from rdkv.errors import RDKVError
 from rdkv.dense import AttentionSums
 from rdkv.reference import trizone_attention
-from rdkv.trizone import PackSpec, pack_layer
+from rdkv.trizone import PackSpec, fixed_bytes, k_block_bytes, pack_layer, v_row_bytes
 
 SPEC = PackSpec(v_group=16, k_group=8, k_block=16)
 PER_WIDTH = PackSpec(v_group=(32, 16, 8), k_group=8, k_block=16)  # a V group size per width (2, 4, 8 bits)
@@ -59,23 +59,52 @@ def test_dequantize_matches_each_width(spec):
                 assert (got - kk[:, c]).abs().max() <= rng / ((1 << w) - 1) / 2 * 1.01 + 2e-2
 
 
-@pytest.mark.parametrize("spec", [SPEC, PER_WIDTH], ids=["one-v-group", "v-group-per-width"])
-def test_nbytes_is_what_the_allocator_charges(spec):
-    layer, k, v, vw, kb, perm = packed(seed=3, start=40000, spec=spec)
-    B, H, T, D = k.shape
-    present = torch.ones(B, H, T, dtype=torch.bool)
-    pos_bytes = 4  # positions past 32767 need int32
-    rv = torch.tensor([quant.row_bytes(w, D, spec.v_group_of(w) if w in quant.PACKED else D) + (pos_bytes if w else 0)
-                       for w in quant.WIDTHS], dtype=torch.float64)
-    sums = AttentionSums(torch.ones(B, H, T), torch.ones(B, H, T), torch.ones(B, H, D), torch.ones(B))
-    assert torch.equal(layer_tables(k, v, present, sums, D**-0.5, spec, 40000 + T).rv, rv)  # what the solver charges
-    tables = LayerTables(None, rv, present, None, None, spec, fixed_bytes(H, D, spec), torch.ones(B))
+def charged(spec: PackSpec, vw: torch.Tensor, kb: torch.Tensor, end: int) -> float:
+    """What the byte model charges an allocation of widths per V token [B, H, T] and K block [B, H, nb]."""
+    B, H, T = vw.shape
+    D = kb.shape[-1] * spec.k_block
     idx = {w: i for i, w in enumerate(quant.WIDTHS)}
-    v_cost = rv[vw.flatten().apply_(idx.get)].sum()
-    n = (vw > 0).sum(-1)  # [B, H]
-    rk = tables.rk(n)  # [B, H, 5]
-    k_cost = sum(float(rk[b, h, idx[int(w)]]) for b in range(B) for h in range(H) for w in kb[b, h])
-    assert layer.nbytes == B * tables.fixed + v_cost + k_cost
+    v_opt = vw.clone().apply_(idx.get)
+    k_opt = kb.clone().apply_(idx.get)
+    rk = k_block_bytes(spec, (vw > 0).sum(-1))  # [B, H, 5]
+    return (B * fixed_bytes(H, D, spec) + float(v_row_bytes(spec, D, end)[v_opt].sum())
+            + float(rk.gather(-1, k_opt).sum()))
+
+
+SPECS = [SPEC, PER_WIDTH, PackSpec(), PackSpec(v_group=32, k_group=7, k_block=32), PackSpec(v_group=4, k_group=1, k_block=4)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["small", "v-group-per-width", "default", "k-group-7", "tiny-groups"])
+@pytest.mark.parametrize("start", [0, 40000], ids=["int16-positions", "int32-positions"])
+def test_packed_bytes_are_what_the_byte_model_charges(spec, start):
+    """Every V width against every K width (one width per layer), then random mixes with ragged streams:
+    the packed tensors hold exactly the bytes the solver's tables and the baselines are charged."""
+    B, H, T, D = 2, 2, 37, 64
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    perm = torch.arange(D).expand(B, H, D)
+    widths = torch.tensor(quant.WIDTHS)
+    cases = [(torch.full((B, H, T), wv), torch.full((B, H, D // spec.k_block), wk)) for wv in quant.WIDTHS for wk in quant.WIDTHS]
+    for _ in range(4):
+        vw = widths[torch.randint(0, 5, (B, H, T), generator=g)]
+        vw[0, 1] = 0  # a stream that keeps nothing
+        cases.append((vw, widths[torch.randint(0, 5, (B, H, D // spec.k_block), generator=g)].sort(-1).values))
+    for vw, kb in cases:
+        layer = pack_layer(k, v, start, vw, kb, perm, spec, torch.float16, None, start + T)
+        assert layer.nbytes == charged(spec, vw, kb, start + T), (vw.unique().tolist(), kb.unique().tolist())
+
+
+def test_tables_charge_the_byte_model():
+    B, H, T, D = 1, 2, 37, 32
+    k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    sums = AttentionSums(torch.ones(B, H, T), torch.ones(B, H, T), torch.ones(B, H, D), torch.ones(B))
+    t = layer_tables(k, v, torch.ones(B, H, T, dtype=torch.bool), sums, D**-0.5, PER_WIDTH, 40000 + T)
+    assert torch.equal(t.rv, v_row_bytes(PER_WIDTH, D, 40000 + T)) and t.fixed == fixed_bytes(H, D, PER_WIDTH)
+    n = torch.tensor([0, 5, 37])
+    assert torch.equal(t.rk(n), k_block_bytes(PER_WIDTH, n))
+    # by hand, at 2 bits: 16 channels x 2 bits x 37 tokens, and a scale and zero per channel per 8 tokens
+    assert float(t.rk(torch.tensor(37))[1]) == 16 * 2 / 8 * 37 + 16 * 5 * 4
+    assert list(v_row_bytes(PER_WIDTH, D, 40000).tolist()) == [0, 8 + 4 + 4, 16 + 8 + 4, 32 + 16 + 4, 64 + 4]
 
 
 def test_pack_spec_checks_every_v_group():
@@ -116,3 +145,22 @@ def test_decode_equals_dense_attention_over_the_dequantized_cache(L):
                 qpos = torch.arange(seq - L, seq)
                 want = dense_attention(qq, Kall, Vall, kpos[None] <= qpos[:, None], 0.2)
                 torch.testing.assert_close(out[b, h * G + gi], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, options", [("rdkv", {}), ("rdkv", {"prerope": True}), ("snapkv", {}), ("kivi2", {})])
+def test_compressed_cache_holds_what_its_allocation_is_charged(method, options):
+    """End to end: a compressed cache's bytes are the byte model's charge for the widths it chose, plus the RoPE
+    table a pre-RoPE layer stores."""
+    from conftest import SMALL, recorded, tiny_llama
+
+    import rdkv
+
+    rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 90)))
+    cache = rdkv.compress(rec, 0.3 if method != "kivi2" else None, method=method,
+                          **({} if method == "kivi2" else SMALL), **options)
+    spec = cache.layers[0].spec
+    want = sum(charged(spec, layer.v_widths(), layer.t["k_bits"].long().view(layer.batch, layer.heads, -1),
+                       layer.prefix_len) for layer in cache.layers)
+    if options.get("prerope"):
+        want += len(cache.layers) * rdkv.rope.rope_bytes(cache.layers[0].head_dim)
+    assert cache.nbytes == want

@@ -1,0 +1,163 @@
+"""Compress while prefilling, so the full uncompressed cache never exists.
+
+During a prefill, layer i's attention needs only layer i's keys and values, and once it has attended over
+the whole prompt they are never read again by the prefill. :func:`prefill` runs one ordinary forward through
+a cache that stores nothing, inside :func:`rdkv.record`; as each layer's attention finishes, its uncompressed
+keys and values are replaced, before layer i + 1 runs, by
+
+* ``mode="staged"`` (the default): an 8-bit copy (K per channel over groups of tokens, V per token over
+  groups of channels, the packer's own directions). After the forward, the surprisal prior is known (the
+  output head over the recorded final hidden states), and each layer in turn is restored from its copy,
+  weighed, allocated and packed exactly as :func:`rdkv.compress` does it, and its copy freed. Everything
+  compress prices is available; the tables see keys and values within half an 8-bit step of the originals.
+* ``mode="layer"``: the packed layer itself. Nothing of the layer outlives its attention, but nothing after
+  the last layer is available either: the surprisal prior is off. The cache is, byte for byte, what
+  ``rdkv.compress(rec, budget, surprisal=0)`` gives on a record of the same prefill.
+
+Either way the prefill's outputs are those of an uncompressed prefill, and budgets are per layer
+(``scope="layer"``, RDKV's default): one knapsack over all layers would need every layer at once. Memory,
+time and quality of both modes against record + compress: docs/benchmarks.md and docs/experiments.md.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers import DynamicCache
+
+from . import quant
+from .api import (CompressConfig, FoldPolicy, check_budget, dtype16, held_cache, rdkv_tables, held_layer, method_config,
+                  pack_held, pooled_surprisal, resolve_method, set_fold)
+from .attention import attention_modules, record
+from .distortion import layer_distortion
+from .errors import BudgetInfeasible, RDKVError
+from .methods import AUTO, METHODS, RDKV_VARIANTS
+from .records import LayerStats, Record
+from .solvers.allocate import allocate
+from .solvers.mckp import Infeasible
+from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes
+
+MODES = ("staged", "layer")
+STAGE_GROUP = 64  # values per 8-bit scale/zero of a staged copy: tokens of a K channel, channels of a V row
+
+
+class _Unstored(DynamicCache):
+    """A cache that hands each layer's new keys and values to attention and keeps none of them."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+
+def _stage(x: torch.Tensor, along_tokens: bool) -> tuple:
+    """x [B, H, T, D] at 8 bits in groups of ``STAGE_GROUP`` along tokens (per channel) or along channels."""
+    x = x.transpose(-1, -2) if along_tokens else x
+    n = x.shape[-1]
+    g = STAGE_GROUP if n % STAGE_GROUP == 0 or along_tokens else n
+    pad = (-n) % g
+    if pad:  # repeat the last value: padding must not widen a group's range
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
+    return (*quant.quantize(x.unflatten(-1, (-1, g)), 8), n, along_tokens)
+
+
+def _unstage(staged: tuple, dtype: torch.dtype) -> torch.Tensor:
+    codes, scale, zero, n, along_tokens = staged
+    x = quant.dequantize(codes, scale, zero).flatten(-2)[..., :n].to(dtype)
+    return x.transpose(-1, -2) if along_tokens else x
+
+
+def _check_ids(model: torch.nn.Module, input_ids, attention_mask) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0 \
+            or input_ids.dtype not in (torch.int32, torch.int64):
+        raise RDKVError("input_ids must be token ids of shape [batch, tokens >= 1], got "
+                        f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != input_ids.shape):
+        raise RDKVError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}")
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and input_ids.shape[1] > limit:
+        raise RDKVError(f"the prompt has {input_ids.shape[1]} tokens, more than the model's context of {limit}: "
+                        "shorten it")
+
+
+def _config(model: torch.nn.Module, method: str, mode: str, window: int, options: dict) -> tuple[str, CompressConfig]:
+    if mode not in MODES:
+        raise RDKVError(f"mode={mode!r} is not one of {MODES}")
+    name, options = resolve_method(Record(model, window), method, options)
+    if name not in METHODS:
+        raise RDKVError(f"unknown method {name!r}; choose one of {', '.join(RDKV_VARIANTS)}")
+    if name not in RDKV_VARIANTS:
+        raise RDKVError(f"rdkv.prefill packs with RDKV methods (rdkv, rdkv-aware, rdkv-hybrid, ...); for {name!r}, "
+                        "record the prefill with rdkv.record and call rdkv.compress")
+    if mode == "layer":
+        if options.get("surprisal", 0) > 0:
+            raise RDKVError("mode='layer' packs each layer before the output head has run, so it has no surprisal "
+                            "prior: pass surprisal=0, or use mode='staged'")
+        options = {**options, "surprisal": 0.0}
+    cfg = method_config(name, None, options, window)
+    if cfg.scope != "layer" or cfg.layer_gains is not None:
+        raise RDKVError("rdkv.prefill solves each layer on its own: use scope='layer' (the default) without "
+                        "layer_gains, or record the prefill with rdkv.record and call rdkv.compress")
+    return name, cfg
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1, *,
+            attention_mask: torch.Tensor | None = None, mode: str = "staged", method: str = AUTO,
+            fold: int | FoldPolicy | None = None, window: int = 256, **options) -> TriZoneCache:
+    """Prefill ``input_ids`` [B, T] and return its cache compressed to at most ``budget`` x its fp16 bytes,
+    without the uncompressed cache ever being held. A model as :func:`rdkv.models.load` returns it needs no
+    other call first; the cache works with ``model.generate`` afterwards.
+
+    ``mode`` is ``"staged"`` (8-bit copies of each layer until the surprisal prior is known) or ``"layer"``
+    (each layer packed at its attention, no surprisal prior): see the module docstring. ``method`` and
+    ``options`` are :func:`rdkv.compress`'s, for RDKV methods with per-layer budgets; ``window`` recorded
+    queries per layer weigh its tokens, as in :func:`rdkv.record`. On any error the model is left as it was.
+    """
+    _check_ids(model, input_ids, attention_mask)
+    budget = check_budget(budget)
+    attention_modules(model)
+    name, cfg = _config(model, method, mode, window, options)
+    layers: dict[int, TriZoneLayer] = {}
+    fp16: dict[int, list[int]] = {}
+    distortion: dict[int, float] = {}
+    staged: dict[int, tuple[LayerStats, tuple, tuple]] = {}
+
+    def pack(i: int, st: LayerStats, surprise: torch.Tensor | None) -> None:
+        held, rope = held_layer(model, st, i, cfg)
+        st, k, v, start, present = held
+        tables = rdkv_tables(st, k, v, start, present, cfg, surprise)
+        fp16[i] = [fp16_bytes(int(n), k.shape[-1]) for n in present.sum((1, 2))]
+        try:
+            v_opt, k_opt = allocate([tables], [budget * f for f in fp16[i]], "layer", cfg.passes)
+        except Infeasible as e:
+            raise BudgetInfeasible(f"budget {budget} is too small for layer {i} ({e}); raise the budget") from e
+        distortion[i] = layer_distortion([tables], v_opt, k_opt)[0]
+        layers[i] = pack_held(held, v_opt[0], k_opt[0], tables.perm, cfg.spec, dtype16(model), rope)
+
+    def stage(i: int) -> None:
+        st = rec.layers.pop(i)
+        k, v, start = held_cache(st, i)  # the part a later query can see, checked finite and within fp16
+        empty = st.key[..., :0, :]
+        staged[i] = (replace(st, key=empty, value=empty), _stage(k, along_tokens=True), _stage(v, along_tokens=False))
+
+    previous = getattr(model.config, "_attn_implementation", None)
+    try:
+        with record(model, window, cfg.weights == "all", tokens=mode == "staged") as rec:
+            rec.on_layer = (lambda i: pack(i, rec.layers.pop(i), None)) if mode == "layer" else stage
+            model(input_ids, attention_mask=attention_mask, past_key_values=_Unstored(config=model.config),
+                  use_cache=True, logits_to_keep=1)
+        if mode == "staged":
+            surprise = pooled_surprisal(rec, cfg)
+            dtype = next(model.parameters()).dtype
+            for i in sorted(staged):
+                st, k, v = staged.pop(i)
+                pack(i, replace(st, key=_unstage(k, dtype), value=_unstage(v, dtype)), surprise)
+        order = range(len(layers))
+        cache = TriZoneCache([layers[i] for i in order], fp16_bytes=sum(sum(fp16[i]) for i in order), budget=budget,
+                             method=name, layer_distortion=tuple(distortion[i] for i in order))
+        set_fold(cache, fold)
+    except BaseException:
+        if previous is not None and previous != model.config._attn_implementation:
+            model.set_attn_implementation(previous)
+        raise
+    return cache
