@@ -181,7 +181,7 @@ def _record(rec: Record, module: torch.nn.Module, query, key, value, mask, scali
     attended = mask[:, 0].any(1) if mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=dev)
     if fresh:
         valid = torch.zeros(B, seen, dtype=torch.bool, device=dev)
-        window_q = query[:, :, -rec.window :]
+        window_q = query[:, :, -rec.window :].clone()  # a view would keep every query of the prefill alive
     else:
         valid = torch.cat([prev.valid, prev.valid.new_zeros(B, L)], -1)
         window_q = torch.cat([prev.window_q, query], 2)[:, :, -rec.window :]

@@ -125,3 +125,14 @@ def test_real_model_layerwise_cache_is_what_compress_packs(name):
     full = torch.cat([ids, q], 1)
     a = model.generate(full, past_key_values=got, max_new_tokens=5, do_sample=False)
     assert torch.equal(a, model.generate(full, past_key_values=want, max_new_tokens=5, do_sample=False))
+
+
+def test_a_record_keeps_no_layer_s_queries_alive():
+    """The record keeps each layer's last ``window`` queries as a copy: a view would hold the storage of all T
+    queries of every layer (566 MB at 8k tokens on SmolLM2)."""
+    model = tiny_llama()
+    with rdkv.record(model, window=8) as rec:
+        model(torch.randint(0, 96, (1, 60)), use_cache=True)
+    for st in rec.layers.values():
+        q = st.window_q
+        assert q.shape[2] == 8 and q.untyped_storage().nbytes() == q.numel() * q.element_size()
