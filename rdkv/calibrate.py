@@ -20,18 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import CompressConfig, compress, options_key, priced_options, resolve_method
+from .api import compress
 from .attention import attention_modules, record
 from .distortion import Calibration
 from .errors import BudgetInfeasible, RDKVError
+from .methods import AUTO, METHODS, Method, resolve
 from .records import Record
 from .trizone import TriZoneCache
 
 
-def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | None = None) -> Calibration:
+def fit(points: list[tuple[float, float]], method: Method | None = None) -> Calibration:
     """Line through (log D, log KL): least-squares slope, intercept raised until every point is on or below
-    it. Needs two points with distinct D and KL > 0. ``key``: the compress options the points came from
-    (default: ``method`` with no options)."""
+    it. Needs two points with distinct D and KL > 0. ``method``: the method, options applied, the points
+    came from (default: ``rdkv``)."""
     pts = [(d, k) for d, k in points if d > 0 and k > 0]
     if len({d for d, _ in pts}) < 2:
         raise RDKVError("calibration needs at least two budgets with different, non-zero distortion and KL; "
@@ -42,8 +43,8 @@ def fit(points: list[tuple[float, float]], method: str = "rdkv", key: tuple | No
     if not p > 0:
         raise RDKVError(f"calibration found KL falling as modelled distortion grows (slope {p:.3g}): the "
                         "distortion model does not track this model's output; use budget= instead of error=")
-    key = key if key is not None else options_key(method, None, {})
-    return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method, key)
+    method = method if method is not None else METHODS["rdkv"]
+    return Calibration(math.exp(float((y - p * x).max())), p, tuple(pts), method.name, method)
 
 
 def _check_texts(model: torch.nn.Module, texts, prefix: float) -> list[torch.Tensor]:
@@ -89,25 +90,20 @@ def _recorded(model: torch.nn.Module, ids: torch.Tensor, all_queries: bool = Fal
     return rec, full
 
 
-def _all_queries(method: str, config: CompressConfig | None, options: dict) -> bool:
-    """Whether a compress call with these arguments weighs by every prefill query."""
-    return (config.weights if config is not None else priced_options(method, options).get("weights")) == "all"
-
-
 def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
-             calls: list[tuple[object, float, dict]]) -> list[tuple[object, float, float]]:
-    """For each text: record a prefill of its first ``prefix`` fraction, then for each (key, budget, compress
-    kwargs) compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
+             calls: list[tuple[object, float, Method]]) -> list[tuple[object, float, float]]:
+    """For each text: record a prefill of its first ``prefix`` fraction, then for each (key, budget, method)
+    compress and teacher-force the rest; returns (key, modelled distortion, KL from the full cache).
     Budgets too small for a text are skipped."""
     out = []
-    every = any(_all_queries(kw.get("method", "rdkv"), kw.get("config"), kw) for _, _, kw in calls)
+    every = any(m.all_queries for _, _, m in calls)
     for ids in texts:
         n = int(ids.shape[1] * prefix)
         rec, full = _recorded(model, ids[:, :n], every)
         got = []
-        for key, b, kw in calls:
+        for key, b, m in calls:
             try:
-                cache = compress(rec, b, **kw)
+                cache = compress(rec, b, method=m)
             except BudgetInfeasible:
                 continue
             got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
@@ -118,18 +114,16 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
 
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], prefix: float = 0.75,
-              budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str = "auto", **options) -> Calibration:
+              budgets: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5), method: str | Method = AUTO, **options) -> Calibration:
     """Fit the distortion-to-KL map on calibration token ids (one [1, T] tensor or a list of them; the first
     ``prefix`` fraction of each is compressed, the rest teacher-forced), for
     ``compress(rec, error=eps, calibration=...)`` with the same ``method`` and options. Texts unlike the ones
     you will compress make the bound more robust.
     """
     texts = _check_texts(model, texts, prefix)
-    if method == "auto":  # resolved as compress resolves it for this model
-        method, options = resolve_method(Record(model), method, options)
-    config = options.pop("config", None)
-    pairs = _measure(model, texts, prefix, [(None, b, dict(method=method, config=config, **options)) for b in budgets])
-    return fit([(d, kl) for _, d, kl in pairs], method, options_key(method, config, options))
+    m = resolve(model, method, options)  # as compress resolves it on a record of the default window
+    pairs = _measure(model, texts, prefix, [(None, b, m) for b in budgets])
+    return fit([(d, kl) for _, d, kl in pairs], m)
 
 
 # (floor, surprisal) candidates for tune_prior: today's default, two stronger reserves, and the one
@@ -157,7 +151,7 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
                **options) -> PriorFit:
     """Pick the prior (``floor``, ``surprisal``: how much attention compress reserves for questions the
     prefill did not ask) with the lowest mean log KL over calibration texts and budgets, for
-    ``compress(rec, budget, **fit.options)`` with ``method="rdkv"``. Gemma 3's prose windows
+    ``compress(rec, budget, **fit.options)`` with the default method (``auto``). Gemma 3's prose windows
     wanted a stronger reserve than the default; on held-out calibration text both Gemma 3 and SmolLM2
     chose the default (docs/experiments.md, "Prior per model").
 
@@ -166,9 +160,9 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
     texts = _check_texts(model, texts, prefix)
     if not candidates or any(len(c) != 2 or min(c) < 0 for c in candidates):
         raise RDKVError(f"candidates must be (floor, surprisal) pairs of non-negative numbers, got {candidates!r}")
-    if {"floor", "surprisal", "method", "config"} & set(options):
-        raise RDKVError("tune_prior chooses floor and surprisal for method='rdkv'; pass other options only")
-    calls = [(c, b, dict(floor=c[0], surprisal=c[1], **options)) for c in candidates for b in budgets]
+    if {"floor", "surprisal", "method"} & set(options):
+        raise RDKVError("tune_prior chooses floor and surprisal for the default method; pass other options only")
+    calls = [(c, b, resolve(model, AUTO, dict(floor=c[0], surprisal=c[1], **options))) for c in candidates for b in budgets]
     logs: dict = {c: [] for c in candidates}
     for c, _, kl in _measure(model, texts, prefix, calls):
         logs[c].append(math.log(max(kl, 1e-12)))
@@ -180,7 +174,7 @@ def tune_prior(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor],
 
 
 @torch.no_grad()
-def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], method: str = "auto",
+def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Tensor], method: str | Method = AUTO,
                     budget: float = 0.25, prefix: float = 0.75, power: float = 0.5, **options) -> tuple[float, ...]:
     """How much of each layer's modelled distortion reaches the output, for one knapsack over all layers:
     ``compress(..., scope="global", layer_gains=fit_layer_gains(model, texts))``.
@@ -197,15 +191,16 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
     (docs/experiments.md, "sliding-window lifetime").
     """
     texts = _check_texts(model, texts, prefix)
-    if {"scope", "layer_gains", "config"} & set(options):
-        raise RDKVError("fit_layer_gains measures the per-layer allocation itself: do not pass scope, layer_gains or config")
+    if {"scope", "layer_gains"} & set(options):
+        raise RDKVError("fit_layer_gains measures the per-layer allocation itself: do not pass scope or layer_gains")
     if not power > 0:
         raise RDKVError(f"power must be > 0, got {power!r}")
     kls = distortion = 0.0
     for ids in texts:
         n = int(ids.shape[1] * prefix)
-        rec, full = _recorded(model, ids[:, :n], _all_queries(method, None, options), plain=True)
-        cache = compress(rec, budget, method=method, **options)
+        m = resolve(model, method, options)
+        rec, full = _recorded(model, ids[:, :n], m.all_queries, plain=True)
+        cache = compress(rec, budget, method=m)
 
         def through(c) -> torch.Tensor:
             return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)

@@ -134,7 +134,7 @@ class JointEviction:
 def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: AttentionSums, scaling: float,
                  spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | float | None = None,
                  evict_to: str = "heavy", q_floor: float = 0.0, *, protect: torch.Tensor | None = None,
-                 fixed: int | None = None, gain: float = 1.0, joint: JointEviction | None = None) -> LayerTables:
+                 prerope: bool = False, gain: float = 1.0, joint: JointEviction | None = None) -> LayerTables:
     """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
 
     ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,
@@ -143,8 +143,8 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     ``q_floor`` is the prior's twin for K channels: that fraction of each channel's squared query weight
     is replaced by the mean over channels, so a channel the weight queries barely used still costs
     something to quantize coarsely (a later query may use it).
-    ``protect`` [B, H, T] marks tokens that may not be evicted (none by default); ``fixed`` overrides the
-    allocation-independent bytes (:func:`rdkv.trizone.fixed_bytes` of ``spec``); ``gain`` scales every
+    ``protect`` [B, H, T] marks tokens that may not be evicted (none by default); ``prerope``: the keys are
+    packed before RoPE, with the layer's rotary table (:func:`rdkv.trizone.fixed_bytes`); ``gain`` scales every
     distortion (a layer's weight in a global knapsack); ``joint`` re-prices eviction from the set a pass
     evicts (:func:`joint_reprice`).
     """
@@ -187,7 +187,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, v, scaling)
     protect = torch.zeros_like(present) if protect is None else protect & present
     return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec,
-                       fixed_bytes(H, D, spec) if fixed is None else fixed, sums.nq, protect, reprice)
+                       fixed_bytes(H, D, spec, prerope), sums.nq, protect, reprice)
 
 
 def eviction_cross(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -291,7 +291,7 @@ class Calibration:
     p: float
     points: tuple[tuple[float, float], ...]  # (D, KL) the fit used
     method: str = "rdkv"  # the compress method it was fitted for
-    key: tuple = ()  # rdkv.api.options_key of the calls it was fitted on; compress(error=) must match it
+    key: object = None  # the method (rdkv.methods.Method) it was fitted for, options applied; compress(error=) must match it
 
     def predict(self, distortion: float) -> float:
         return self.a * distortion**self.p if distortion > 0 else 0.0

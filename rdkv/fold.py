@@ -2,10 +2,12 @@
 
 Zone C keeps every token appended after compression in 16 bits. Under a :class:`FoldPolicy`, once a
 layer's zone C holds ``every + keep`` tokens, its oldest ``every`` tokens are allocated and packed the
-way ``compress`` treats a prefill: RDKV's output-error tables, weights from the last ``window`` queries
-(here decode queries, which the layer keeps in ``t["qwin"]`` and counts in its bytes), the uniform
-``floor`` prior, and one knapsack for the layer whose budget is ``budget`` x the fp16 bytes of the
-folded tokens. The newest ``keep`` tokens stay in 16 bits. Each layer folds itself during the decode
+way ``compress`` treats a prefill, priced by the RDKV method the cache was compressed with (its distortion
+model, eviction price, weight pooling, K floor, whether tokens may be evicted, and its passes): weights from
+the last ``window`` queries (here decode queries, which the layer keeps in ``t["qwin"]`` and counts in its
+bytes), one knapsack for the layer whose budget is ``budget`` x the fp16 bytes of the folded tokens. The
+generated tokens' surprisal is not recorded, so a fold's prior is the uniform ``floor`` alone, and joint
+eviction pricing (which needs the prefill's queries) does not apply. The newest ``keep`` tokens stay in 16 bits. Each layer folds itself during the decode
 step that fills its zone C, so every layer folds on the same step.
 
 Segments of sliding-window layers that no future query can see are dropped: those layers stay bounded.
@@ -13,15 +15,16 @@ Segments of sliding-window layers that no future query can see are dropped: thos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .dense import attend
 from .distortion import layer_tables
 from .errors import RDKVError
+from .methods import RDKV, Eviction, Prior, Solve, Weights
 from .solvers.allocate import allocate
-from .trizone import TriZoneLayer, fixed_bytes, fp16_bytes, k_block_bytes, pack_choice
+from .trizone import PackSpec, TriZoneLayer, fixed_bytes, fp16_bytes, k_block_bytes, pack_choice
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,18 @@ class FoldPolicy:
     keep: int = 32  # newest tokens that stay in 16 bits after a fold
     window: int = 16  # decode queries kept to weigh the next fold's tokens
     floor: float = 1.0  # the uniform prior of rdkv.distortion
+    method: RDKV = field(default_factory=RDKV)  # what folds price with (compress sets the cache's own RDKV method)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"method": asdict(self.method)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FoldPolicy:
+        """The inverse of :meth:`to_dict` (``rdkv.io``)."""
+        m = dict(d["method"])
+        parts = {"weights": Weights, "prior": Prior, "eviction": Eviction, "solve": Solve, "spec": PackSpec}
+        method = RDKV(**{k: parts[k](**v) if k in parts else v for k, v in m.items()})
+        return cls(**{**d, "method": method})
 
     def check(self, layer: TriZoneLayer) -> None:
         if not isinstance(self.every, int) or isinstance(self.every, bool) or self.every < 1:
@@ -41,6 +56,8 @@ class FoldPolicy:
             raise RDKVError(f"fold budget must be in (0, 1], got {self.budget!r}")
         if self.keep < 0 or self.window < 1 or self.floor < 0:
             raise RDKVError("fold keep must be >= 0, window >= 1 and floor >= 0")
+        if not isinstance(self.method, RDKV):
+            raise RDKVError(f"a fold prices with an RDKV method, got {type(self.method).__name__}")
         H, D, spec = layer.heads, layer.head_dim, layer.spec
         # counts and permutation, then K channel means only
         least = fixed_bytes(H, D, spec) + H * D // spec.k_block * int(k_block_bytes(spec, torch.zeros(()))[0])
@@ -66,7 +83,7 @@ def observe(layer: TriZoneLayer, query: torch.Tensor, scaling: float, softcap: f
 @torch.no_grad()
 def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> None:
     """Pack the oldest ``every`` tokens of zone C into a new segment (see module docstring)."""
-    policy, spec = layer.fold, layer.spec
+    policy, spec, m = layer.fold, layer.spec, layer.fold.method
     R = policy.every
     kc, vc, q = layer.t["kc"], layer.t["vc"], layer.t["qwin"]
     B, H, n, D = kc.shape
@@ -75,11 +92,13 @@ def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> No
     q_pos = torch.arange(seq - q.shape[2], seq, device=kc.device)
     k_pos = torch.arange(start, seq, device=kc.device)
     _, sums = attend(q, kc, vc, q_pos, k_pos, scaling, window, softcap)
+    sums = m.weights.pooled(sums)
     sums.mass, sums.mass2 = sums.mass[..., :R], sums.mass2[..., :R]
     k, v = kc[:, :, :R].float(), vc[:, :, :R].float()
     present = torch.ones(B, H, R, dtype=torch.bool, device=kc.device)
-    tables = layer_tables(k, v, present, sums, scaling, spec, start + R, "output", policy.floor / R)
-    v_opt, k_opt = allocate([tables], [policy.budget * fp16_bytes(R, H * D)] * B)
+    tables = layer_tables(k, v, present, sums, scaling, spec, start + R, m.distortion, policy.floor / R, m.eviction.to,
+                          m.weights.q_floor, protect=present & (not m.eviction.allowed))
+    v_opt, k_opt = allocate([tables], [policy.budget * fp16_bytes(R, H * D)] * B, "layer", m.solve.passes)
     seg = pack_choice(k, v, start, v_opt[0], k_opt[0], tables.perm, spec, layer.dtype16, window, start + R)
     del seg.t["kc"], seg.t["vc"]
     layer.folds.append(seg)

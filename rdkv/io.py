@@ -32,7 +32,7 @@ from .fold import FoldPolicy
 from .trizone import PackSpec, TriZoneCache, TriZoneLayer
 
 FORMAT = "rdkv.trizone"
-VERSION = 2  # 2: per-layer modelled distortion, a V group size per width
+VERSION = 3  # 2: per-layer modelled distortion, a V group size per width; 3: the fold policy names its method
 _DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
            torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
            torch.bool: "BOOL"}
@@ -101,7 +101,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
                                  "method": cache.method, "layer_distortion": cache.layer_distortion,
-                                 "fold": None if policy is None else asdict(policy)}),
+                                 "fold": None if policy is None else policy.to_dict()}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
     path = os.fspath(path)
@@ -185,5 +185,5 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], method=top.get("method"),
                          layer_distortion=None if per_layer is None else tuple(per_layer))
     if top.get("fold"):
-        cache.set_fold(FoldPolicy(**top["fold"]))
+        cache.set_fold(FoldPolicy.from_dict(top["fold"]))
     return cache

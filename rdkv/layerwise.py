@@ -26,14 +26,11 @@ import torch
 from transformers import DynamicCache
 
 from . import quant
-from .api import (CompressConfig, FoldPolicy, check_budget, dtype16, held_cache, rdkv_tables, held_layer, method_config,
-                  pack_held, pooled_surprisal, resolve_method, set_fold)
+from .api import FoldPolicy, check_budget, dtype16, held_cache, held_layer, pack_held, set_fold
 from .attention import attention_modules, record
-from .distortion import layer_distortion
 from .errors import BudgetInfeasible, RDKVError
-from .methods import AUTO, METHODS, RDKV_VARIANTS
+from .methods import AUTO, RDKV, Method, resolve
 from .records import LayerStats, Record
-from .solvers.allocate import allocate
 from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes
 
@@ -79,30 +76,27 @@ def _check_ids(model: torch.nn.Module, input_ids, attention_mask) -> None:
                         "shorten it")
 
 
-def _config(model: torch.nn.Module, method: str, mode: str, window: int, options: dict) -> tuple[str, CompressConfig]:
+def _method(model: torch.nn.Module, method: str | Method, mode: str, window: int, options: dict) -> RDKV:
     if mode not in MODES:
         raise RDKVError(f"mode={mode!r} is not one of {MODES}")
-    name, options = resolve_method(Record(model, window), method, options)
-    if name not in METHODS:
-        raise RDKVError(f"unknown method {name!r}; choose one of {', '.join(RDKV_VARIANTS)}")
-    if name not in RDKV_VARIANTS:
-        raise RDKVError(f"rdkv.prefill packs with RDKV methods (rdkv, rdkv-aware, rdkv-hybrid, ...); for {name!r}, "
+    m = resolve(model, method, options, window)
+    if not isinstance(m, RDKV):
+        raise RDKVError(f"rdkv.prefill packs with RDKV methods (rdkv, rdkv-aware, rdkv-hybrid, ...); for {m.name!r}, "
                         "record the prefill with rdkv.record and call rdkv.compress")
     if mode == "layer":
-        if options.get("surprisal", 0) > 0:
+        if "surprisal" in options and options["surprisal"] > 0:
             raise RDKVError("mode='layer' packs each layer before the output head has run, so it has no surprisal "
                             "prior: pass surprisal=0, or use mode='staged'")
-        options = {**options, "surprisal": 0.0}
-    cfg = method_config(name, None, options, window)
-    if cfg.scope != "layer" or cfg.layer_gains is not None:
+        m = m.with_options(surprisal=0.0)
+    if m.solve.scope != "layer" or m.solve.layer_gains is not None:
         raise RDKVError("rdkv.prefill solves each layer on its own: use scope='layer' (the default) without "
                         "layer_gains, or record the prefill with rdkv.record and call rdkv.compress")
-    return name, cfg
+    return m.for_record(Record(model, window, m.all_queries))
 
 
 @torch.no_grad()
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1, *,
-            attention_mask: torch.Tensor | None = None, mode: str = "staged", method: str = AUTO,
+            attention_mask: torch.Tensor | None = None, mode: str = "staged", method: str | Method = AUTO,
             fold: int | FoldPolicy | None = None, window: int = 256, **options) -> TriZoneCache:
     """Prefill ``input_ids`` [B, T] and return its cache compressed to at most ``budget`` x its fp16 bytes,
     without the uncompressed cache ever being held. A model as :func:`rdkv.models.load` returns it needs no
@@ -116,23 +110,21 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     _check_ids(model, input_ids, attention_mask)
     budget = check_budget(budget)
     attention_modules(model)
-    name, cfg = _config(model, method, mode, window, options)
+    m = _method(model, method, mode, window, options)
     layers: dict[int, TriZoneLayer] = {}
     fp16: dict[int, list[int]] = {}
     distortion: dict[int, float] = {}
     staged: dict[int, tuple[LayerStats, tuple, tuple]] = {}
 
     def pack(i: int, st: LayerStats, surprise: torch.Tensor | None) -> None:
-        held, rope = held_layer(model, st, i, cfg)
-        st, k, v, start, present = held
-        tables = rdkv_tables(st, k, v, start, present, cfg, surprise)
-        fp16[i] = [fp16_bytes(int(n), k.shape[-1]) for n in present.sum((1, 2))]
+        held = held_layer(model, st, i, m)
+        fp16[i] = [fp16_bytes(int(n), held.k.shape[-1]) for n in held.present.sum((1, 2))]
         try:
-            v_opt, k_opt = allocate([tables], [budget * f for f in fp16[i]], "layer", cfg.passes)
+            alloc = m.solved([m.tables(held, surprise)], fp16[i], budget)
         except Infeasible as e:
             raise BudgetInfeasible(f"budget {budget} is too small for layer {i} ({e}); raise the budget") from e
-        distortion[i] = layer_distortion([tables], v_opt, k_opt)[0]
-        layers[i] = pack_held(held, v_opt[0], k_opt[0], tables.perm, cfg.spec, dtype16(model), rope)
+        distortion[i] = alloc.layer_distortion[0]
+        layers[i] = pack_held(held, alloc.v[0], alloc.k[0], alloc.perm[0], m.spec, dtype16(model))
 
     def stage(i: int) -> None:
         st = rec.layers.pop(i)
@@ -142,20 +134,20 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
 
     previous = getattr(model.config, "_attn_implementation", None)
     try:
-        with record(model, window, cfg.weights == "all", tokens=mode == "staged") as rec:
+        with record(model, window, m.all_queries, tokens=mode == "staged") as rec:
             rec.on_layer = (lambda i: pack(i, rec.layers.pop(i), None)) if mode == "layer" else stage
             model(input_ids, attention_mask=attention_mask, past_key_values=_Unstored(config=model.config),
                   use_cache=True, logits_to_keep=1)
         if mode == "staged":
-            surprise = pooled_surprisal(rec, cfg)
+            surprise = m.prior.surprise(rec)
             dtype = next(model.parameters()).dtype
             for i in sorted(staged):
                 st, k, v = staged.pop(i)
                 pack(i, replace(st, key=_unstage(k, dtype), value=_unstage(v, dtype)), surprise)
         order = range(len(layers))
         cache = TriZoneCache([layers[i] for i in order], fp16_bytes=sum(sum(fp16[i]) for i in order), budget=budget,
-                             method=name, layer_distortion=tuple(distortion[i] for i in order))
-        set_fold(cache, fold)
+                             method=m.name, layer_distortion=tuple(distortion[i] for i in order))
+        set_fold(cache, fold, m)
     except BaseException:
         if previous is not None and previous != model.config._attn_implementation:
             model.set_attn_implementation(previous)

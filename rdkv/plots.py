@@ -18,9 +18,9 @@ import torch
 from . import api, quant
 from .distortion import cache_options, modelled_distortion as objective
 from .errors import RDKVError
+from .methods import Method
 from .records import Record
 from .report import COMPONENTS, layer_components
-from .solvers.allocate import allocate
 from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache
 
@@ -267,16 +267,9 @@ def bytes_per_token(cache: TriZoneCache) -> Figure:
 
 # --- rate-distortion -----------------------------------------------------------------------------------
 
-def _tables(rec: Record, method: str, config: api.CompressConfig | None, overrides: dict):
-    """The allocator's tables for a recorded prefill, each sequence's fp16 bytes and the config."""
-    cfg, tables, fp16 = api.allocation_tables(rec, method, config, **overrides)
-    return tables, [float(f) for f in fp16], cfg
-
-
 @torch.no_grad()
 def modelled_distortion(rec: Record, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
-                        *, method: str = "rdkv", config: api.CompressConfig | None = None,
-                        **overrides) -> tuple[list[float], list[float]]:
+                        *, method: str | Method = "rdkv", **options) -> tuple[list[float], list[float]]:
     """The allocator's objective (modelled distortion per weight query, the unit of ``cache.distortion``
     and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the record.
 
@@ -285,33 +278,33 @@ def modelled_distortion(rec: Record, budgets: Sequence[float] = (), caches: Sequ
     a model of distortion; baselines raise.
     """
     budgets = [api.check_budget(b) for b in budgets]
-    tables, fp16, cfg = _tables(rec, method, config, dict(overrides))
+    m, tables, fp16 = api.allocation_tables(rec, method, **options)
     at_budget = []
     for budget in budgets:
         try:
-            at_budget.append(objective(tables, *allocate(tables, [budget * f for f in fp16], cfg.scope, cfg.passes)))
+            at_budget.append(objective(tables, *m.solve(tables, [budget * f for f in fp16])))
         except Infeasible:  # not even the cheapest allowed options fit
             at_budget.append(math.nan)
     return at_budget, [objective(tables, *cache_options(c, tables)) for c in caches]
 
 
 def rd_curve(rec: Record, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
-             method: str = "rdkv", config: api.CompressConfig | None = None, **overrides) -> Figure:
+             method: str | Method = "rdkv", **options) -> Figure:
     """Modelled distortion against budget for a recorded prefill, with an operating point marked.
 
     The curve is the solver's own objective (see :func:`modelled_distortion`), so it shows what the
     allocator believes it trades: where extra bytes stop buying much, and how steep the cliff below the
     chosen budget is. ``chosen`` is a cache compressed from this prefill (its allocation is evaluated
-    directly) or a budget. Pass the record and the same ``method``/``config``/overrides that ``rdkv.compress`` got.
+    directly) or a budget. Pass the record and the same ``method`` and options that ``rdkv.compress`` got.
     """
     budgets = sorted(budgets)
     caches = [chosen] if isinstance(chosen, TriZoneCache) else []
     extra = [chosen] if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) else []
-    d, d_cache = modelled_distortion(rec, budgets + extra, caches, method=method, config=config, **overrides)
-    cfg = api._config(config, {**api.RDKV_VARIANTS[method], **overrides})
+    d, d_cache = modelled_distortion(rec, budgets + extra, caches, method=method, **options)
+    m = api.method_for(rec, method, options)
     fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
-    ax.plot(budgets, d[: len(budgets)], "o-", color="#2171b5", label=f"{method} allocation")
+    ax.plot(budgets, d[: len(budgets)], "o-", color="#2171b5", label=f"{m.name} allocation")
     if chosen is not None:
         if caches:
             point = (chosen.budget if chosen.budget is not None else chosen.nbytes / chosen.fp16_bytes, d_cache[0])
@@ -320,7 +313,7 @@ def rd_curve(rec: Record, budgets: Sequence[float], chosen: TriZoneCache | float
         ax.plot(*point, "*", color="#d62728", markersize=16, label=f"chosen: budget {point[0]}")
         ax.annotate(f"{point[1]:.3g}", point, textcoords="offset points", xytext=(8, 8), color="#d62728")
     ax.set(xlabel="budget (fraction of the fp16 cache bytes)", yscale="log",
-           ylabel=f"modelled distortion ({cfg.distortion} model)",
+           ylabel=f"modelled distortion ({m.distortion} model)",
            title="Rate-distortion: the allocator's objective at each budget")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

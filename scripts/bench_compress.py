@@ -18,7 +18,6 @@ from contextlib import contextmanager
 import torch
 
 import rdkv
-from rdkv.api import CompressConfig
 
 
 def rss() -> int:
@@ -58,7 +57,7 @@ def main() -> None:
     text = rdkv.models.retrieval_prompt(max(args.contexts) + 200, 0.5, tok)["context"]
     all_ids = tok(text, return_tensors="pt").input_ids
     print(f"model {args.model}, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
-          f"{time.strftime('%Y-%m-%d')}, config {CompressConfig()}\n")
+          f"{time.strftime('%Y-%m-%d')}, method {rdkv.methods.METHODS['rdkv']}\n")
     print("| tokens | prefill sdpa s | prefill rdkv s | budget | compress s | compress / rdkv prefill | peak extra MB | fp16 cache MB | held / fp16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for n in args.contexts:

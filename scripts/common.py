@@ -9,7 +9,7 @@ import platform
 import sysconfig
 import time
 import warnings
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ import torch
 import rdkv
 from rdkv.calibrate import PriorFit
 from rdkv.dense import allowed_keys
+from rdkv.methods import Method
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -28,7 +29,7 @@ def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.Argu
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, type=method_arg, metavar="METHOD",
-                    help="method names (rdkv.methods.METHODS), each optionally with CompressConfig overrides after "
+                    help="method names (rdkv.methods.METHODS or common.VARIANTS), each optionally with options after "
                          "a colon, e.g. rdkv:floor=0,surprisal=1 (a sweep is one command)")
     ap.add_argument("--budgets", type=float, nargs="+", default=budgets)
     ap.add_argument("--contexts", type=int, nargs="+", default=contexts)
@@ -38,13 +39,58 @@ def parser(doc: str, budgets: list[float], contexts: list[int]) -> argparse.Argu
     return ap
 
 
-def split_method(text: str) -> tuple[str, dict]:
-    """``"rdkv-pool:surprisal=1,k_group=256,v_group=64/32/32"`` -> ("rdkv-pool", {"surprisal": 1, "k_group": 256,
-    "v_group": (64, 32, 32)})."""
+# ablations and superseded configurations of RDKV, under the names the results use (docs/experiments.md):
+# name -> (the packaged method it varies, its options)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "rdkv-all": ("rdkv", {"weights": "all"}),  # needs rdkv.record(model, all_queries=True)
+    "rdkv-global": ("rdkv", {"scope": "global"}),
+    "rdkv-pool": ("rdkv", {"pool_weights": 7}),  # SnapKV-style pooled weights: better when the question is in the prompt
+    # weights from all 256 recorded queries instead of the last 64: better on Gemma 3 query-agnostic (1k), worse
+    # on SmolLM2 at 2k-4k below 25% and on query-aware prompts (2026-11-29/30)
+    "rdkv-w256": ("rdkv", {"window": 256}),
+    "rdkv-wsl256": ("rdkv", {"window_sliding": 256}),  # all 256 queries for sliding-window layers only
+    "rdkv-wgl256": ("rdkv", {"window": 256, "window_sliding": 64}),  # all 256 for global layers only
+    # window weights per window query that can see each token: better at 25% and on Gemma 3's agnostic needle,
+    # worse at 5%
+    "rdkv-visible": ("rdkv", {"visible": 1.0}),
+    "rdkv-visible-wgl256": ("rdkv", {"visible": 1.0, "window": 256, "window_sliding": 64}),  # rdkv-hybrid without horizon
+    "rdkv-1pass": ("rdkv", {"passes": 1}),
+    "rdkv-v0": ("rdkv", {"scope": "global", "passes": 1}),  # the first default: one knapsack, K priced for every token
+    "rdkv-noprotect": ("rdkv", {"sinks": 0, "recent": 0}),
+    "rdkv-noevict": ("rdkv", {"evict": False}),
+    "rdkv-noprior": ("rdkv", {"surprisal": 0.0}),  # no reserve for unseen questions at all
+    "rdkv-qfloor": ("rdkv", {"q_floor": 0.5}),  # half of each K channel's query weight from the channel mean
+    "rdkv-floor": ("rdkv", {"floor": 1.0, "surprisal": 3.0}),  # the prior before 2026-11-29
+    "rdkv-prerope": ("rdkv", {"prerope": True}),  # KVQuant's pre-RoPE keys, rotated back at decode
+    # where an evicted token's mass is assumed to go (rdkv.distortion.EVICT_TO; the default is "heavy")
+    "rdkv-evict-output": ("rdkv", {"evict_to": "output"}),  # the default until the 8k regression was traced to it
+    "rdkv-evict-mean": ("rdkv", {"evict_to": "mean"}),
+    "rdkv-evict-max": ("rdkv", {"evict_to": "max"}),
+    "rdkv-evict-kept": ("rdkv", {"evict_to": "kept"}),
+    "rdkv-joint": ("rdkv", {"evict_jointly": True}),  # evicting a set costs its cross terms too
+}
+NAMES = (*rdkv.methods.NAMES, *VARIANTS)
+PARTS = {"spec", "prior", "eviction", "solve"}
+
+
+def named(name: str) -> str | Method:
+    """What ``method=`` gets for a name: a packaged name as it is (``auto`` depends on the model), a variant
+    as its method object."""
+    if name in VARIANTS:
+        base, options = VARIANTS[name]
+        return replace(rdkv.methods.named(base).with_options(**options), name=name)
+    return name
+
+
+def split_method(text: str) -> tuple[str | Method, dict]:
+    """``"rdkv-pool:surprisal=1,k_group=256,v_group=64/32/32"`` -> (the rdkv-pool method, {"surprisal": 1,
+    "k_group": 256, "v_group": (64, 32, 32)}), for ``rdkv.compress(rec, b, method=m, **options)``."""
     name, _, opts = text.partition(":")
-    if name not in rdkv.methods.METHODS:
-        raise argparse.ArgumentTypeError(f"unknown method {name!r}; choose one of {', '.join(rdkv.methods.METHODS)}")
-    known = ({f.name for f in fields(rdkv.CompressConfig)} - {"spec"}) | {f.name for f in fields(rdkv.PackSpec)}
+    if name not in NAMES:
+        raise argparse.ArgumentTypeError(f"unknown method {name!r}; choose one of {', '.join(NAMES)}")
+    method = named(name)
+    # single fields only: a whole part (spec=, prior=, ...) is not written on a command line
+    known = set(rdkv.methods.named("rdkv" if method == rdkv.methods.AUTO else method).options()) - PARTS
     overrides = {}
     for item in filter(None, opts.split(",")):
         key, eq, value = item.partition("=")
@@ -60,7 +106,7 @@ def split_method(text: str) -> tuple[str, dict]:
                 break
             except ValueError:
                 pass
-    return name, overrides
+    return method, overrides
 
 
 def method_arg(text: str) -> str:
@@ -68,18 +114,24 @@ def method_arg(text: str) -> str:
     return text
 
 
-def weight_window(method: str, sliding: bool) -> int:
+def method_of(model, text: str) -> Method:
+    """The method a ``--methods`` entry runs on ``model``, ``layer_gains=fit`` left out."""
+    method, extra = split_method(text)
+    if extra.get("layer_gains") == "fit":
+        del extra["layer_gains"]
+    return rdkv.methods.resolve(model, method, extra)
+
+
+def weight_window(model, method: str, sliding: bool) -> int:
     """How many recorded queries a method's weights use on a layer (sliding-window or not), as compress
     resolves it for a default ``rdkv.record``."""
-    name, extra = split_method(method)
-    cfg = rdkv.api._config(None, {**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra})
-    return cfg.layer_window(sliding) or rdkv.api.DEFAULT_WINDOW
+    m = method_of(model, method).for_record(rdkv.Record(model))
+    return m.weights.of_layer(sliding) or m.weights.window
 
 
-def needs_all_queries(methods: list[str]) -> bool:
+def needs_all_queries(model, methods: list[str]) -> bool:
     """Whether any method reads every prefill query (then ``rdkv.record(model, all_queries=True)``)."""
-    return any({**rdkv.methods.RDKV_VARIANTS.get(name, {}), **extra}.get("weights") == "all"
-               for name, extra in map(split_method, methods))
+    return any(method_of(model, m).all_queries for m in methods)
 
 
 def header(args) -> str:
@@ -135,25 +187,21 @@ def tune_prior(model, tok, args) -> PriorFit | None:
     return fit
 
 
-def with_prior(model, method: str, options: dict, prior: PriorFit | None) -> dict:
+def with_prior(model, method: str | Method, options: dict, prior: PriorFit | None) -> dict:
     """``options`` for ``rdkv.compress(rec, b, method=method, **options)`` with a tuned prior's ``prior.options``
-    (floor, surprisal) under them, when ``method`` is an RDKV method whose preset
-    (``rdkv.methods.RDKV_VARIANTS``, or the one ``auto`` picks for ``model``) and options set neither and no
-    ``config`` is given; otherwise ``options`` as they are."""
-    if prior is None or options.get("config") is not None:
+    (floor, surprisal) under them, when ``method`` is an RDKV method with the default prior (``auto`` as it
+    resolves for ``model``) and the options set neither; otherwise ``options`` as they are."""
+    if prior is None:
         return options
-    if method == rdkv.methods.AUTO:
-        method, preset = rdkv.api.resolve_method(rdkv.Record(model), method, {})
-    else:
-        preset = rdkv.methods.RDKV_VARIANTS.get(method)
-    if preset is None or {"floor", "surprisal"} & {*preset, *options}:
+    m = rdkv.methods.resolve(model, method, {})
+    if not isinstance(m, rdkv.RDKV) or m.prior != rdkv.methods.Prior() or {"floor", "surprisal"} & set(options):
         return options
     return {**prior.options, **options}
 
 
-def settings(method: str, budgets: list[float]) -> list[float | None]:
+def settings(method: str | Method, budgets: list[float]) -> list[float | None]:
     """Fixed-rate baselines run once at their own size; the rest at every budget."""
-    return [None] if method in rdkv.methods.FIXED_RATE else budgets
+    return [None] if method != rdkv.methods.AUTO and rdkv.methods.named(method).fixed_rate else budgets
 
 
 def fitted_gains(model, tok, methods: list[str], prior: PriorFit | None = None) -> dict[str, tuple[float, ...]]:

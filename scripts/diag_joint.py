@@ -57,7 +57,7 @@ def main() -> None:
                 c = rdkv.compress(rec, b, method=name, **extra)
                 for i, layer in enumerate(c.layers):
                     st, keep = rec.layers[i], layer.v_widths()[0] > 0
-                    window = weight_window(m, st.sliding_window is not None)
+                    window = weight_window(model, m, st.sliding_window is not None)
                     win = eviction_errors(st, st.window_q[0, :, -window:], keep)
                     # the continuation's keys: the prefix's held ones (compressed) plus the tail's (kept)
                     lt = later[i]

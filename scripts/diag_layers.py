@@ -68,7 +68,7 @@ def main() -> None:
                 total = kl(ref, through(copy.deepcopy(c)))
                 for i, layer in enumerate(tqdm(c.layers, desc=f"{domain} {m} {b}", leave=False)):
                     st, low = rec.layers[i], layer.v_widths()[0] <= 2
-                    window = weight_window(m, st.sliding_window is not None)  # the queries the weights came from
+                    window = weight_window(model, m, st.sliding_window is not None)  # the queries the weights came from
                     row = {"domain": domain, "method": m, "budget": "-" if b is None else b, "layer": i,
                            "sliding": st.sliding_window is not None,
                            "V<=2 bits: window p2 share": low_width_share(st, st.window_q[0, :, -window:], low, n),

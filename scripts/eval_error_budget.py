@@ -61,7 +61,7 @@ def main() -> None:
     ap.set_defaults(methods=["rdkv"])
     args = ap.parse_args()
     method, extra = split_method(args.methods[0])
-    if len(args.methods) != 1 or method not in rdkv.methods.RDKV_VARIANTS:
+    if len(args.methods) != 1 or not (method == rdkv.methods.AUTO or isinstance(rdkv.methods.named(method), rdkv.RDKV)):
         ap.error(f"give one RDKV method (the calibration is per method), got {args.methods}")
     if args.quick:
         args.contexts, args.domains, args.budgets, args.eps = [512], ["prose", "code"], [0.05, 0.1, 0.25], [0.03, 0.1]

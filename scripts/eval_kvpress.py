@@ -118,11 +118,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.depths, args.budgets = [1000], [0.1, 0.5, 0.9], [0.05, 0.1, 0.25]
-    if needs_all_queries(args.methods):
-        ap.error("methods with weights='all' need rdkv.record(model, all_queries=True); not run here")
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
+    if needs_all_queries(model, args.methods):
+        ap.error("methods with weights='all' need rdkv.record(model, all_queries=True); not run here")
     plain = model.config._attn_implementation  # the presses' attention (rdkv.record installs its own)
 
     raw = defaultdict(list)  # (protocol, source, method, budget) -> per-probe dicts

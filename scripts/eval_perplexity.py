@@ -88,7 +88,7 @@ def main() -> None:
     raw = collections.defaultdict(list)  # (domain, n, method, budget, fold) -> per-window dicts
     for domain, n, rec, full_cache, tail, targets in prefills(model, tok, args.domains, args.contexts,
                                                               args.continuation, args.windows,
-                                                              needs_all_queries(args.methods)):
+                                                              needs_all_queries(model, args.methods)):
         # the full cache's logits first, so each compression is scored as it comes: one window's logits are
         # held, not one per method and budget (268 MB each with Gemma 3's vocabulary)
         ref = forward(model, full_cache, tail)

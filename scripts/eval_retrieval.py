@@ -36,7 +36,7 @@ def main() -> None:
     seeds = args.seeds or [args.seed]
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
-    all_queries = needs_all_queries(args.methods)
+    all_queries = needs_all_queries(model, args.methods)
     prior = tune_prior(model, tok, args)
     gains = fitted_gains(model, tok, args.methods, prior)
 

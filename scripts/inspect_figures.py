@@ -2,7 +2,7 @@
 
     python scripts/inspect_figures.py
 
-SmolLM2-135M, the 1k retrieval probe with the needle at depth 0.5, default ``CompressConfig``, exactly
+SmolLM2-135M, the 1k retrieval probe with the needle at depth 0.5, the default ``rdkv`` method, exactly
 as notebooks/inspect_allocation.ipynb does it; writes docs/img/{v_widths,needle_tokens_025,needle_tokens_010}.png.
 """
 from __future__ import annotations

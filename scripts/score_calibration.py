@@ -15,7 +15,7 @@ import math
 import torch
 
 import rdkv
-from common import calibration_texts, header, parser, publish, split_method, table
+from common import calibration_texts, header, parser, method_of, publish, table
 from rdkv.calibrate import _measure
 
 
@@ -28,8 +28,7 @@ def main() -> None:
     texts = calibration_texts(tok)
     calls = []
     for m in args.methods:
-        name, extra = split_method(m)
-        calls += [((m, b), b, dict(method=name, **extra)) for b in args.budgets]
+        calls += [((m, b), b, method_of(model, m)) for b in args.budgets]
     kls = collections.defaultdict(list)
     for key, _, kl in _measure(model, texts, 0.75, calls):
         kls[key].append(kl)

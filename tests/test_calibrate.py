@@ -53,7 +53,7 @@ def test_error_budget_meets_eps_with_the_fewest_bytes(calibrated):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budget=0.2, error=0.1), "not both"), (dict(error=0.1, method="kivi2"), "distortion model"),
-    (dict(error=-1.0), "positive number"), (dict(error=0.1, method="rdkv-global"), "fitted for method"),
+    (dict(error=-1.0), "positive number"), (dict(error=0.1, scope="global"), "fitted for method"),
     (dict(budget=0.2), "calibration= is for error="),
 ])
 def test_error_budget_bad_input(calibrated, kwargs, match):
@@ -86,7 +86,8 @@ def test_error_budget_needs_the_calibrated_options(calibrated):
     # options compare by value: an int for a float, or a default spelled out, is the same pricing
     same = rdkv.compress(rec, error=eps1, calibration=floored, floor=1, surprisal=0.5, **SMALL)
     assert same.nbytes == cache.nbytes
-    assert rdkv.compress(rec, error=eps, calibration=cal, config=rdkv.CompressConfig(spec=rdkv.PackSpec(**SMALL))).nbytes == a.nbytes
+    method = rdkv.RDKV(spec=rdkv.PackSpec(**SMALL))  # the same pricing as an object, under another name
+    assert rdkv.compress(rec, error=eps, calibration=cal, method=method).nbytes == a.nbytes
 
 
 def test_error_budget_needs_a_calibration():
@@ -123,7 +124,8 @@ def test_tune_prior_picks_the_lowest_mean_log_kl_and_compress_uses_it():
     cands = ((0.0, 0.0), (0.0, 0.5), (5.0, 5.0))
     fit_ = rdkv.tune_prior(model, cal_ids, budgets=(0.15, 0.3), candidates=cands, **SMALL)
     direct = _measure(model, [cal_ids], 0.75,
-                      [(c, b, dict(floor=c[0], surprisal=c[1], **SMALL)) for c in cands for b in (0.15, 0.3)])
+                      [(c, b, rdkv.methods.resolve(model, "auto", dict(floor=c[0], surprisal=c[1], **SMALL)))
+                       for c in cands for b in (0.15, 0.3)])
     want = {c: sum(math.log(kl) for k, _, kl in direct if k == c) / 2 for c in cands}
     assert [s[2] for s in fit_.scores] == pytest.approx([want[c] for c in cands], rel=1e-6)
     assert (fit_.floor, fit_.surprisal) == min(want, key=want.get)

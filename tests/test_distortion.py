@@ -203,7 +203,7 @@ def test_q_floor_mixes_the_channel_mean_into_k_weights():
         assert torch.equal(floored.dv, plain.dv)
     assert (plain.dk[0, 0, :, 1] == 0).sum() >= 1 and (floored.dk[0, 0, :, 1] > 0).all()  # unqueried blocks now cost
     with pytest.raises(rdkv.RDKVError, match="q_floor must be a fraction"):
-        rdkv.CompressConfig(q_floor=1.5).check()
+        rdkv.methods.Weights(q_floor=1.5)
 
 
 def test_per_visible_weighs_each_token_by_the_window_queries_that_can_see_it():

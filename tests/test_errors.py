@@ -5,7 +5,6 @@ import torch
 from conftest import SMALL, recorded, tiny_llama
 
 import rdkv
-from rdkv import api
 
 
 def prefilled():
@@ -27,7 +26,7 @@ def test_an_unrelated_value_error_in_allocation_is_not_called_a_small_budget(mon
     def broken(*args, **kwargs):
         raise ValueError("D and R must not contain NaN")
 
-    monkeypatch.setattr(api, "allocate", broken)
+    monkeypatch.setattr(rdkv.methods.rate_distortion, "allocate", broken)
     with pytest.raises(ValueError, match="NaN") as err:
         rdkv.compress(rec, 0.3, **SMALL)
     assert not isinstance(err.value, rdkv.RDKVError)

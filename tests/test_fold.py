@@ -102,6 +102,27 @@ def test_folded_cache_saves_loads_and_continues_identically(tmp_path):
     assert len(back.layers[0].folds) == 3 and back.nbytes == cache.nbytes
 
 
+def test_folds_price_with_the_method_the_cache_was_compressed_with():
+    """On one compressed prefix, a fold under the cache's own method (the paper's distortion model here)
+    allocates as an explicit policy with that method does, and unlike one with the default method."""
+    model = tiny_llama(4)
+    rec, _ = prefill(model, 60)
+    toks = torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(3))
+
+    def folded(fold) -> list[torch.Tensor]:
+        cache = rdkv.compress(rec, 0.2, fold=fold, distortion="paper", **SMALL)
+        for step in range(80):
+            model(toks[:, step : step + 1], past_key_values=cache)
+        return cache.layers[0].fold.method, [f.v_widths() for layer in cache.layers for f in layer.folds]
+
+    method, own = folded(40)
+    assert method == rdkv.RDKV(distortion="paper", spec=rdkv.PackSpec(**SMALL), weights=rdkv.methods.Weights(window=64))
+    _, explicit = folded(FoldPolicy(every=40, budget=0.2, method=method))
+    _, default = folded(FoldPolicy(every=40, budget=0.2, method=rdkv.RDKV(spec=rdkv.PackSpec(**SMALL))))
+    assert len(own) == 2 and all(torch.equal(a, b) for a, b in zip(own, explicit))
+    assert not all(torch.equal(a, b) for a, b in zip(own, default))
+
+
 @pytest.mark.parametrize("fold,match", [(0, "positive int"), (True, "positive int"), (2.5, "positive int"),
                                         (1, "fold at least")])
 def test_bad_fold_policies_raise_before_anything_changes(fold, match):
@@ -109,5 +130,8 @@ def test_bad_fold_policies_raise_before_anything_changes(fold, match):
     rec, _ = prefill(model, 30)
     with pytest.raises(rdkv.RDKVError, match=match):
         rdkv.compress(rec, 0.5, fold=fold, **SMALL)
+    layer = rdkv.compress(rec, 0.5, **SMALL).layers[0]
     with pytest.raises(rdkv.RDKVError, match="budget"):
-        FoldPolicy(every=64, budget=1.5).check(rdkv.compress(rec, 0.5, **SMALL).layers[0])
+        FoldPolicy(every=64, budget=1.5).check(layer)
+    with pytest.raises(rdkv.RDKVError, match="prices with an RDKV method"):
+        FoldPolicy(every=64, budget=0.5, method=rdkv.methods.SnapKV()).check(layer)

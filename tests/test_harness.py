@@ -43,13 +43,15 @@ def test_compressions_run_every_method_once_per_budget_and_skip_what_cannot_fit(
 
 def test_method_overrides_reach_compress_and_bad_ones_are_refused():
     rec, _ = recorded(tiny_llama(7), torch.randint(0, 96, (1, 100)))
-    assert common.split_method("rdkv-pool:surprisal=1,k_group=32,evict=False") == (
-        "rdkv-pool", {"surprisal": 1, "k_group": 32, "evict": False})
+    method, options = common.split_method("rdkv-pool:surprisal=1,k_group=32,evict=False")
+    assert method.name == "rdkv-pool" and method.weights.pool == 7 and method == rdkv.RDKV(weights=rdkv.methods.Weights(pool=7))
+    assert options == {"surprisal": 1, "k_group": 32, "evict": False}
+    assert common.split_method("snapkv:window=32") == ("snapkv", {"window": 32})  # a baseline's own options
     runs = common.compressions(rec, ["rdkv", "rdkv:evict=False"], [0.12], v_group=32, k_group=32, k_block=16)
     (_, _, plain), (_, _, kept) = list(runs)
     assert (plain.layers[0].v_widths() == 0).any()  # at 12% the default evicts some tokens
     assert (kept.layers[0].v_widths() > 0).all()  # evict=False reached compress
-    assert common.needs_all_queries(["rdkv:weights=all"]) and not common.needs_all_queries(["rdkv", "snapkv"])
+    assert common.needs_all_queries(rec.model, ["rdkv:weights=all"]) and not common.needs_all_queries(rec.model, ["auto", "snapkv"])
     for bad in ("nope", "rdkv:flor=1", "rdkv:floor", "rdkv:spec=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             common.split_method(bad)
@@ -57,7 +59,7 @@ def test_method_overrides_reach_compress_and_bad_ones_are_refused():
 
 def test_a_tuned_prior_goes_to_the_rdkv_methods_that_choose_none():
     """common.tune_prior's fit reaches compress as explicit floor/surprisal options, exactly where rdkv used
-    to apply a tuned prior itself: RDKV methods whose preset and options set neither, without a config."""
+    to apply a tuned prior itself: RDKV methods with the default prior whose options set neither."""
     rec, _ = recorded(tiny_llama(7), torch.randint(0, 96, (1, 100)))
     fit, kw = PriorFit(3.0, 3.0, ()), dict(v_group=32, k_group=32, k_block=16)
     assert fit.options == {"floor": 3.0, "surprisal": 3.0}
@@ -67,7 +69,6 @@ def test_a_tuned_prior_goes_to_the_rdkv_methods_that_choose_none():
     assert given == {"rdkv": fit.options, "auto": fit.options, "rdkv-global": fit.options,
                      "rdkv:surprisal=1": {"surprisal": 1}, "rdkv-aware": {}, "rdkv-floor": {}, "rdkv-noprior": {},
                      "snapkv": {}}
-    assert common.with_prior(rec.model, "rdkv", {"config": rdkv.CompressConfig()}, fit) == {"config": rdkv.CompressConfig()}
     assert common.with_prior(rec.model, "rdkv", {"k_group": 32}, None) == {"k_group": 32}
     methods = ["rdkv", "rdkv:floor=0", "rdkv-aware", "snapkv"]
     got = {m: c for m, _, c in common.compressions(rec, methods, [0.2], prior=fit, **kw)}

@@ -25,11 +25,11 @@ def run():
         full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
     out = {"types": model.config.layer_types}
     for name, kw in (("plain", {}), ("horizon", {"horizon": 512})):
-        cache = rdkv.compress(rec, 0.25, method="rdkv-visible-wgl256", **kw)
+        cache = rdkv.compress(rec, 0.25, method="rdkv-hybrid", **{"horizon": None, **kw})
         widths = [layer.v_widths()[0].float() for layer in cache.layers]
         out[name] = (cache.nbytes, cache.fp16_bytes, widths, model(tail, past_key_values=cache).logits[0].float())
     out["gains"] = rdkv.fit_layer_gains(model, ids[:, :512], method="rdkv-hybrid")  # 384 prefilled, 128 forced
-    out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(rec, 0.25, method="rdkv-visible-wgl256").layers]
+    out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(rec, 0.25, method="rdkv-hybrid", horizon=None).layers]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0].float()
     return out
 

@@ -1,0 +1,273 @@
+"""RDKV: every V token row and K channel block priced at every width, one knapsack per byte budget.
+
+The method is four parts, each a frozen dataclass, so a variant is a different part rather than a flag:
+
+* :class:`Weights`: which recorded queries weigh each unit, and how (:mod:`rdkv.weights`);
+* :class:`Prior`: the attention reserved for questions the prefill did not ask;
+* :class:`Eviction`: which tokens may be evicted and what evicting one is priced at;
+* :class:`Solve`: the knapsack's scope and passes (:mod:`rdkv.solvers.allocate`).
+
+The tables a layer's parts produce are built once (:func:`rdkv.distortion.layer_tables`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..dense import AttentionSums
+from ..distortion import EVICT_TO, MODELS, JointEviction, LayerTables, layer_distortion, layer_tables
+from ..errors import RDKVError
+from ..records import LayerStats, Record
+from ..rope import pair_mean
+from ..solvers.allocate import allocate
+from ..weights import FORMS, layer_sums, lifetime, per_visible, window_queries
+from .base import Allocation, HeldLayer, Method
+
+DEFAULT_WINDOW = 64  # window queries weigh tokens by default (a record keeps 256)
+
+
+def _positive_int(name: str, value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise RDKVError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def _odd(name: str, value) -> None:
+    if not isinstance(value, int) or value < 1 or value % 2 == 0:
+        raise RDKVError(f"{name} must be a positive odd int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """How much each unit matters: attention sums over the recorded queries.
+
+    ``form="window"`` re-attends the last ``window`` prefill queries (``window_sliding`` of them on
+    sliding-window layers, when set); ``"all"`` uses every prefill query (the paper's form; record with
+    ``all_queries=True``). ``visible`` corrects the window's last tokens for the queries that cannot see
+    them (:func:`rdkv.weights.per_visible`, capped at ``visible_cap``). ``pool`` max-pools the token weights
+    (SnapKV-style, odd; 1 = none). ``q_floor`` replaces that fraction of each K channel's query weight by
+    the channel mean. ``horizon``: on sliding-window layers, a token is weighed by the share of the next
+    ``horizon`` decode queries that can still see it (:func:`rdkv.weights.lifetime`).
+    """
+
+    form: str = "window"
+    window: int | None = None  # None: 64, or every query the record kept if fewer
+    window_sliding: int | None = None
+    visible: float = 0.0
+    visible_cap: float | None = None
+    pool: int = 1
+    q_floor: float = 0.0
+    horizon: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise RDKVError(f"weights={self.form!r} is not one of {FORMS}")
+        for name in ("window", "window_sliding", "horizon"):
+            _positive_int(name, getattr(self, name))
+        _odd("pool_weights", self.pool)
+        if not 0 <= self.visible <= 1:
+            raise RDKVError(f"visible must be a number in [0, 1] (how far to correct for causal visibility), "
+                            f"got {self.visible!r}")
+        if self.visible_cap is not None and not self.visible_cap >= 1:
+            raise RDKVError(f"visible_cap must be a number >= 1 (the largest visibility factor), got {self.visible_cap!r}")
+        if not 0 <= self.q_floor <= 1:
+            raise RDKVError(f"q_floor must be a fraction in [0, 1], got {self.q_floor}")
+
+    def of_layer(self, sliding: bool) -> int | None:
+        """How many recorded queries weigh a layer: ``window_sliding`` on sliding-window layers when set."""
+        return self.window_sliding if sliding and self.window_sliding else self.window
+
+    def sums(self, st: LayerStats, start: int, prerope: bool) -> AttentionSums:
+        window = self.of_layer(st.sliding_window is not None)
+        sums = layer_sums(st, self.form, start, window)
+        if self.visible and self.form == "window":
+            sums = per_visible(sums, st, start, window, self.visible, self.visible_cap)
+        if prerope:  # a pre-RoPE channel pair shares one rotation: weigh it by the pair's mean
+            sums.q2 = pair_mean(sums.q2)
+        return self.pooled(sums)
+
+    def pooled(self, sums: AttentionSums) -> AttentionSums:
+        """``sums`` with token weights max-pooled over ``pool`` neighbours: a token next to an attended one
+        counts as attended."""
+        if self.pool > 1:
+            mp = lambda x: F.max_pool1d(x, self.pool, 1, self.pool // 2)  # noqa: E731
+            sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
+        return sums
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The squared attention a future query is expected to put on each token beyond what the prefill's did:
+    ``surprisal`` x each token's surprisal (max-pooled over ``pool`` neighbours, so a whole improbable span
+    counts), normalised per head, plus a uniform ``floor / T`` (:mod:`rdkv.distortion`)."""
+
+    floor: float = 0.0
+    surprisal: float = 0.5
+    pool: int = 7
+
+    def __post_init__(self) -> None:
+        if not (self.floor >= 0 and self.surprisal >= 0):
+            raise RDKVError("surprisal and floor must be >= 0")
+        _odd("pool", self.pool)
+
+    def surprise(self, rec: Record) -> torch.Tensor | None:
+        """Pooled surprisal of every prefill token [B, T], or None when the prior does not use it."""
+        if self.surprisal <= 0:
+            return None
+        return F.max_pool1d(rec.surprisal().unsqueeze(1), self.pool, 1, self.pool // 2).squeeze(1)
+
+    def of_layer(self, present: torch.Tensor, surprise: torch.Tensor | None, start: int) -> torch.Tensor:
+        prior = self.floor / present.sum(-1, keepdim=True).clamp_min(1)
+        if surprise is not None:
+            s = surprise[:, None, start:] * present
+            prior = prior + self.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
+        return prior
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Whether tokens may be evicted (``allowed``), which may not (the sequence's first ``sinks`` real tokens
+    and the prefill's last ``recent``), and the value an evicted token's error is measured from (``to``:
+    :data:`rdkv.distortion.EVICT_TO`). ``jointly`` re-prices each pass's eviction from the set the previous
+    pass evicted (:func:`rdkv.distortion.joint_reprice`)."""
+
+    allowed: bool = True
+    sinks: int = 4
+    recent: int = 32
+    to: str = "heavy"
+    jointly: bool = False
+
+    def __post_init__(self) -> None:
+        if self.to not in EVICT_TO:
+            raise RDKVError(f"evict_to={self.to!r} is not one of {EVICT_TO}")
+        if self.sinks < 0 or self.recent < 0:
+            raise RDKVError("sinks and recent must be >= 0")
+        if self.jointly and self.to == "kept":
+            raise RDKVError("evict_jointly re-prices eviction itself: use it with an evict_to other than 'kept'")
+
+    def protect(self, st: LayerStats, start: int, present: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(start, st.seen, device=present.device)
+        # sinks are the sequence's first real (unpadded) tokens: a sliding-window layer that no longer holds them
+        # protects none, not the oldest tokens it holds, which are about to leave its window
+        first = (st.valid.cumsum(-1)[:, None, start:] <= self.sinks).expand_as(present)
+        return first | (pos >= st.seen - self.recent) | (not self.allowed)
+
+    def joint(self, st: LayerStats, start: int, window: int | None) -> JointEviction | None:
+        if not self.jointly:
+            return None
+        q, q_pos = window_queries(st, window)
+        pos = torch.arange(start, st.seen, device=q.device)
+        # the keys as the queries saw them (rotated, even with prerope)
+        return JointEviction(q, st.key[..., start - st.start :, :], q_pos, pos, st.sliding_window, st.softcap)
+
+
+@dataclass(frozen=True)
+class Solve:
+    """``scope="layer"``: a budget per layer; ``"global"``: one knapsack over every layer and head, with
+    ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
+    distortion. ``passes``: how often K is re-priced for the tokens the previous pass kept."""
+
+    scope: str = "layer"
+    passes: int = 3
+    layer_gains: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("global", "layer"):
+            raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
+        if not isinstance(self.passes, int) or isinstance(self.passes, bool) or self.passes < 1:
+            raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
+        if self.layer_gains is not None:
+            if isinstance(self.layer_gains, list):
+                object.__setattr__(self, "layer_gains", tuple(self.layer_gains))
+            if not all(isinstance(g, (int, float)) and 0 < g < math.inf for g in self.layer_gains):
+                raise RDKVError(f"layer_gains must be positive finite numbers, one per layer, got {self.layer_gains!r}")
+
+    def __call__(self, tables: list[LayerTables], budgets: list[float]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return allocate(tables, budgets, self.scope, self.passes)
+
+
+# compress(**options) keyword -> (part, field): the names the results and scripts use
+OPTIONS: dict[str, tuple[str | None, str]] = {
+    "weights": ("weights", "form"), "window": ("weights", "window"), "window_sliding": ("weights", "window_sliding"),
+    "visible": ("weights", "visible"), "visible_cap": ("weights", "visible_cap"), "pool_weights": ("weights", "pool"),
+    "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
+    "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
+    "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
+    "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
+    "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
+    "distortion": (None, "distortion"), "prerope": (None, "prerope"),
+}
+
+
+@dataclass(frozen=True)
+class RDKV(Method):
+    """Rate-distortion allocation: weights -> prior -> per-layer tables -> knapsack (:mod:`rdkv.distortion`).
+
+    ``distortion`` is ``"output"`` (attention-output error, one unit for K and V) or ``"paper"`` (the RDKV
+    paper's w * sigma * 2^-b); ``prerope`` quantizes keys before RoPE, as KVQuant does (:mod:`rdkv.rope`).
+    """
+
+    name: str = field(default="rdkv", compare=False)
+    weights: Weights = field(default_factory=Weights)
+    prior: Prior = field(default_factory=Prior)
+    eviction: Eviction = field(default_factory=Eviction)
+    solve: Solve = field(default_factory=Solve)
+    distortion: str = "output"
+    prerope: bool = False
+
+    def __post_init__(self) -> None:
+        if self.distortion not in MODELS:
+            raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
+        if self.eviction.jointly and self.distortion != "output":
+            raise RDKVError("evict_jointly re-prices the output distortion itself: use it with distortion='output'")
+        if self.solve.layer_gains is not None and (self.eviction.jointly or self.eviction.to == "kept"):
+            raise RDKVError("layer_gains scales the priced tables; evict_jointly and evict_to='kept' re-price "
+                            "eviction during allocation: use them without layer_gains")
+
+    @property
+    def all_queries(self) -> bool:
+        return self.weights.form == "all"
+
+    def options(self) -> dict[str, tuple[str | None, str]]:
+        parts = {p: (None, p) for p in ("spec", "weights", "prior", "eviction", "solve")} | {"weights": OPTIONS["weights"]}
+        return {**OPTIONS, **parts, **{f.name: ("spec", f.name) for f in fields(self.spec)}}
+
+    def for_record(self, rec: Record) -> RDKV:
+        for name in ("window", "window_sliding"):
+            w = getattr(self.weights, name)
+            if w is not None and w > rec.window:
+                raise RDKVError(f"{name}={w} but the record kept only the last {rec.window} prefill queries: "
+                                f"record with rdkv.record(model, window={w}) and prefill again")
+        if self.all_queries and not rec.all_queries:
+            raise RDKVError("weights='all' needs every prefill query: record with rdkv.record(model, all_queries=True)")
+        return replace(self, weights=replace(self.weights, window=self.weights.window or min(DEFAULT_WINDOW, rec.window)))
+
+    def tables(self, layer: HeldLayer, surprise: torch.Tensor | None, gain: float = 1.0) -> LayerTables:
+        """The solver tables of one held layer; ``surprise`` is :meth:`Prior.surprise` of the record."""
+        st, k, v, start, present, _ = layer
+        w = self.weights
+        sums = w.sums(st, start, self.prerope)
+        prior = self.prior.of_layer(present, surprise, start)
+        if w.horizon and st.sliding_window is not None:
+            life = lifetime(torch.arange(start, st.seen, device=k.device), st.seen, st.sliding_window, w.horizon)
+            sums.mass2, prior = sums.mass2 * life, prior * life
+        ev = self.eviction
+        return layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
+                            w.q_floor, protect=ev.protect(st, start, present), prerope=self.prerope, gain=gain,
+                            joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
+
+    def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
+        gains = self.solve.layer_gains or (1.0,) * len(layers)
+        if len(gains) != len(layers):
+            raise RDKVError(f"layer_gains has {len(gains)} entries for a model of {len(layers)} layers")
+        surprise = self.prior.surprise(rec)
+        return [self.tables(h, surprise, g) for h, g in zip(layers, gains)]
+
+    def solved(self, tables: list[LayerTables], fp16: list[int], budget: float) -> Allocation:
+        v, k = self.solve(tables, [budget * f for f in fp16])
+        return Allocation(v, k, [t.perm for t in tables], tuple(layer_distortion(tables, v, k)))
+
+    def allocate(self, rec: Record, layers: list[HeldLayer], fp16: list[int], budget: float | None) -> Allocation:
+        return self.solved(self.all_tables(rec, layers), fp16, budget)

@@ -1,0 +1,100 @@
+"""The RULER-style task generator (scripts/ruler.py) and its runner (scripts/eval_ruler.py)."""
+import argparse
+import collections
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import rdkv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import eval_ruler  # noqa: E402
+import ruler  # noqa: E402
+
+
+def words(text: str, add_special_tokens: bool = False) -> dict:
+    """A word-level tokenizer: the generator only counts tokens."""
+    return {"input_ids": re.findall(r"\S+", text)}
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("n", [1000, 3000])
+def test_every_task_fills_its_context_and_hides_its_answers_in_it(task, n):
+    s = ruler.sample(task, words, n, seed=3)
+    assert s.task == task and s.questions
+    assert 0.9 * n <= len(words(s.context)["input_ids"]) <= 1.05 * n
+    for q in s.questions:
+        assert q.answers and all(a in s.context for a in q.answers)
+        assert all(a not in q.text for a in q.answers)  # the question gives nothing away
+    again = ruler.sample(task, words, n, seed=3)
+    assert again == s and ruler.sample(task, words, n, seed=4) != s  # seeded
+
+
+def test_needles_sit_at_their_depths_and_distractors_are_other_keys():
+    s = ruler.sample("multi_needle", words, 3000, seed=0)
+    at = [s.context.index(q.answers[0]) / len(s.context) for q in s.questions]
+    assert at == sorted(at) and all(abs(a - d) < 0.08 for a, d in zip(at, (0.2, 0.5, 0.8)))
+    m = ruler.sample("niah_multikey", words, 3000, seed=0)
+    needles = re.findall(r"special magic numbers for (\S+) is: (\d+)\.", m.context)
+    assert len(needles) == 4 and len({k for k, _ in needles}) == 4
+    assert (m.questions[0].text.split(" for ")[1].split(" mentioned")[0], m.questions[0].answers[0]) in needles
+
+
+def test_variable_tracking_is_one_chain_from_the_value():
+    s = ruler.sample("vt", words, 2000, seed=1)
+    names = s.questions[0].answers
+    lines = re.findall(r"VAR (\w+) = (VAR )?(\w+)", s.context)
+    value = lines[0][2]
+    assert lines[0][0] == names[0] and value.isdigit()
+    assert [(b, a) for b, _, a in lines[1:]] == list(zip(names[1:], names[:-1]))  # each holds the one before
+
+
+def test_common_words_are_the_most_frequent_in_the_list():
+    s = ruler.sample("cwe", words, 3000, seed=2)
+    counts = collections.Counter(re.findall(r"\d+\. (\w+)", s.context))
+    top = {w for w, _ in counts.most_common(10)}
+    assert top == set(s.questions[0].answers) and min(counts[w] for w in top) == 30
+    assert max(c for w, c in counts.items() if w not in top) == 3
+
+
+def test_score_is_the_share_of_expected_strings_found():
+    q = ruler.Question("?", ("1234567", "7654321"))
+    assert ruler.score(" 1234567 and 7654321.", q) == 1.0
+    assert ruler.score(" 1234567, then 1111111", q) == 0.5
+    assert ruler.score(" none", q) == 0.0
+    assert ruler.score(" ABCDE", ruler.Question("?", ("abcde",))) == 1.0  # case-insensitive
+
+
+def test_summary_is_per_task_mean_and_share_of_the_full_cache():
+    rows = [{"protocol": "agnostic", "context": 100, "method": m, "budget": b, "bytes/fp16": r, "task": t, "sample": k,
+             "score": s} for m, b, r, t, k, s in [
+        ("full", None, 1.0, "niah_single", 0, 1.0), ("full", None, 1.0, "multi_needle", 0, 1.0),
+        ("full", None, 1.0, "multi_needle", 0, 1.0), ("rdkv", 0.1, 0.099, "niah_single", 0, 1.0),
+        ("rdkv", 0.1, 0.099, "multi_needle", 0, 1.0), ("rdkv", 0.1, 0.099, "multi_needle", 0, 0.0)]]
+    full, got = eval_ruler.summarise(rows, ["niah_single", "multi_needle"])
+    assert full["mean"] == 100 and full["all 3 needles"] == "1/1"
+    assert got["multi_needle"] == 50 and got["mean"] == 75 and got["% of full"] == 75 and got["all 3 needles"] == "0/1"
+
+
+def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypatch):
+    """SmolLM2 at 512 tokens: every method and budget answers every question once, in the file; a second run
+    finds them all done and prefills nothing."""
+    model, tok = rdkv.models.load("smollm2-135m")
+    args = argparse.Namespace(contexts=[512], tasks=["niah_single", "multi_needle"], samples=1, seed=0,
+                              protocols=["agnostic", "aware"], methods=["rdkv", "snapkv", "int4"], budgets=[0.25],
+                              haystack="prose")
+    path = tmp_path / "run.jsonl"
+    eval_ruler.run(args, model, tok, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # niah_single: 1 question; multi_needle: 3, one prefill (agnostic) or three (aware); 4 caches each
+    assert len(rows) == 2 * (1 + 3) * 4 and len({r["key"] for r in rows}) == len(rows)
+    assert {r["method"] for r in rows} == {"full", "rdkv", "snapkv", "int4"}
+    assert all(0 <= r["score"] <= 1 and r["score"] == ruler.score(r["answer"], ruler.Question("", tuple(r["expected"])))
+               for r in rows)
+    calls, real = [], rdkv.record
+    monkeypatch.setattr(rdkv, "record", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eval_ruler.run(args, model, tok, path)
+    assert not calls and len(path.read_text().splitlines()) == len(rows)
