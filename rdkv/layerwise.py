@@ -14,12 +14,17 @@ keys and values are replaced, before layer i + 1 runs, by
   the last layer is available either: the surprisal prior is off. The cache is, byte for byte, what
   ``rdkv.compress(rec, budget, surprisal=0)`` gives on a record of the same prefill.
 
+Each decoder layer's MLP runs over ``mlp_chunk`` tokens at a time: it acts on every token alone, and its
+[T, intermediate] temporaries are, once the cache is gone, the largest tensors a long prefill holds.
+
 Either way the prefill's outputs are those of an uncompressed prefill, and budgets are per layer
 (``scope="layer"``, RDKV's default): one knapsack over all layers would need every layer at once. Memory,
 time and quality of both modes against record + compress: docs/benchmarks.md and docs/experiments.md.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -35,6 +40,7 @@ from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes
 
 MODES = ("staged", "layer")
+MLP_CHUNK = 2048  # tokens per MLP call during a prefill
 STAGE_GROUP = 64  # values per 8-bit scale/zero of a staged copy: tokens of a K channel, channels of a V row
 
 
@@ -76,6 +82,21 @@ def _check_ids(model: torch.nn.Module, input_ids, attention_mask) -> None:
                         "shorten it")
 
 
+@contextmanager
+def _chunked_mlps(model: torch.nn.Module, chunk: int) -> Iterator[None]:
+    """Run every decoder layer's ``mlp`` over at most ``chunk`` tokens at a time, then restore it."""
+    mlps = [m.mlp for m in model.modules() if hasattr(m, "self_attn") and isinstance(getattr(m, "mlp", None), torch.nn.Module)]
+    for mlp in mlps:
+        def forward(x: torch.Tensor, run=mlp.forward) -> torch.Tensor:
+            return run(x) if x.shape[-2] <= chunk else torch.cat([run(part) for part in x.split(chunk, -2)], -2)
+        mlp.forward = forward  # an instance attribute shadows the class's forward
+    try:
+        yield
+    finally:
+        for mlp in mlps:
+            del mlp.forward
+
+
 def _method(model: torch.nn.Module, method: str | Method, mode: str, window: int, options: dict) -> RDKV:
     if mode not in MODES:
         raise RDKVError(f"mode={mode!r} is not one of {MODES}")
@@ -97,7 +118,8 @@ def _method(model: torch.nn.Module, method: str | Method, mode: str, window: int
 @torch.no_grad()
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1, *,
             attention_mask: torch.Tensor | None = None, mode: str = "staged", method: str | Method = AUTO,
-            fold: int | FoldPolicy | None = None, window: int = 256, **options) -> TriZoneCache:
+            fold: int | FoldPolicy | None = None, window: int = 256, mlp_chunk: int = MLP_CHUNK,
+            **options) -> TriZoneCache:
     """Prefill ``input_ids`` [B, T] and return its cache compressed to at most ``budget`` x its fp16 bytes,
     without the uncompressed cache ever being held. A model as :func:`rdkv.models.load` returns it needs no
     other call first; the cache works with ``model.generate`` afterwards.
@@ -105,10 +127,13 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     ``mode`` is ``"staged"`` (8-bit copies of each layer until the surprisal prior is known) or ``"layer"``
     (each layer packed at its attention, no surprisal prior): see the module docstring. ``method`` and
     ``options`` are :func:`rdkv.compress`'s, for RDKV methods with per-layer budgets; ``window`` recorded
-    queries per layer weigh its tokens, as in :func:`rdkv.record`. On any error the model is left as it was.
+    queries per layer weigh its tokens, as in :func:`rdkv.record`; ``mlp_chunk`` tokens at a time go through each
+    MLP. On any error the model is left as it was.
     """
     _check_ids(model, input_ids, attention_mask)
     budget = check_budget(budget)
+    if isinstance(mlp_chunk, bool) or not isinstance(mlp_chunk, int) or mlp_chunk < 1:
+        raise RDKVError(f"mlp_chunk must be a positive int (tokens per MLP call), got {mlp_chunk!r}")
     attention_modules(model)
     m = _method(model, method, mode, window, options)
     layers: dict[int, TriZoneLayer] = {}
@@ -134,7 +159,7 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
 
     previous = getattr(model.config, "_attn_implementation", None)
     try:
-        with record(model, window, m.all_queries, tokens=mode == "staged") as rec:
+        with record(model, window, m.all_queries, tokens=mode == "staged") as rec, _chunked_mlps(model, mlp_chunk):
             rec.on_layer = (lambda i: pack(i, rec.layers.pop(i), None)) if mode == "layer" else stage
             model(input_ids, attention_mask=attention_mask, past_key_values=_Unstored(config=model.config),
                   use_cache=True, logits_to_keep=1)

@@ -21,7 +21,8 @@ def compressed(model, ids, mask=None, all_queries=False, **options):
     return rdkv.compress(rec, 0.3, surprisal=0, **options)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama-left-padded", "gemma3", "prerope", "all-queries", "aware", "joint"])
+@pytest.mark.parametrize("case", ["llama", "llama-left-padded", "gemma3", "prerope", "all-queries", "aware", "joint",
+                                  "mlp-chunks"])
 def test_layerwise_cache_is_what_compress_packs(case):
     model = tiny_gemma3() if case == "gemma3" else tiny_llama()
     ids = torch.randint(0, 96, (2, 90))
@@ -32,7 +33,8 @@ def test_layerwise_cache_is_what_compress_packs(case):
     options = {"prerope": {"prerope": True}, "all-queries": {"weights": "all"}, "aware": {"method": "rdkv-aware"},
                "joint": {"evict_jointly": True}}.get(case, {})
     want = compressed(model, ids, mask, all_queries=case == "all-queries", **SMALL, **options)
-    got = rdkv.prefill(model, ids, 0.3, attention_mask=mask, mode="layer", **SMALL, **options)
+    chunk = {"mlp_chunk": 16} if case == "mlp-chunks" else {}  # each MLP over 16 tokens at a time: the same cache
+    got = rdkv.prefill(model, ids, 0.3, attention_mask=mask, mode="layer", **SMALL, **options, **chunk)
     assert got.method == want.method and got.fp16_bytes == want.fp16_bytes and got.nbytes == want.nbytes
     assert same_tensors(got, want)
     assert got.layer_distortion == pytest.approx(want.layer_distortion, rel=1e-12)
@@ -61,9 +63,11 @@ def test_staged_cache_prices_what_compress_prices(make):
 
 def test_generation_continues_from_the_layerwise_cache():
     model = tiny_llama()
-    ids = torch.randint(0, 96, (1, 80))
-    want = model.generate(ids, past_key_values=compressed(model, ids, **SMALL), max_new_tokens=6, do_sample=False)
-    got = model.generate(ids, past_key_values=rdkv.prefill(model, ids, 0.3, mode="layer", **SMALL), max_new_tokens=6, do_sample=False)
+    ids, question = torch.randint(0, 96, (1, 80)), torch.randint(0, 96, (1, 3))
+    prompt = torch.cat([ids, question], 1)  # generate wants a token the cache has not seen
+    want = model.generate(prompt, past_key_values=compressed(model, ids, **SMALL), max_new_tokens=6, do_sample=False)
+    got = model.generate(prompt, past_key_values=rdkv.prefill(model, ids, 0.3, mode="layer", **SMALL), max_new_tokens=6,
+                         do_sample=False)
     assert torch.equal(got, want)
 
 
@@ -98,6 +102,7 @@ def test_no_layer_keeps_its_uncompressed_keys_past_its_attention(monkeypatch, mo
     (dict(method="snapkv"), "RDKV methods"),
     (dict(method="nope"), "unknown method"),
     (dict(window=0), "window must be a positive int"),
+    (dict(mlp_chunk=0), "mlp_chunk must be a positive int"),
     (dict(ids=torch.randint(0, 96, (90,))), "shape \\[batch, tokens >= 1\\]"),
     (dict(ids=torch.randint(0, 96, (1, 1025))), "more than the model's context of 1024"),
     (dict(attention_mask=torch.ones(1, 5)), "attention_mask must have the shape"),
@@ -110,7 +115,7 @@ def test_bad_input_is_refused_and_the_model_is_left_as_it_was(bad, match):
     with pytest.raises(rdkv.RDKVError, match=match):
         rdkv.prefill(model, ids, budget, **{**SMALL, **bad})
     assert model.config._attn_implementation == "sdpa"
-    assert not any(hasattr(m, "_rdkv_record") for m in model.modules())
+    assert not any(hasattr(m, "_rdkv_record") or "forward" in vars(m) for m in model.modules())
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
@@ -119,8 +124,9 @@ def test_real_model_layerwise_cache_is_what_compress_packs(name):
     probe = rdkv.models.retrieval_prompt(700, 0.5, tok)
     ids = tok(probe["context"], return_tensors="pt").input_ids
     want = compressed(model, ids)
-    got = rdkv.prefill(model, ids, 0.3, mode="layer")
+    got = rdkv.prefill(model, ids, 0.3, mode="layer", mlp_chunk=128)  # the MLPs in six chunks
     assert same_tensors(got, want)
+    assert not any("forward" in vars(m) for m in model.modules())
     q = tok(probe["question"], return_tensors="pt", add_special_tokens=False).input_ids
     full = torch.cat([ids, q], 1)
     a = model.generate(full, past_key_values=got, max_new_tokens=5, do_sample=False)
