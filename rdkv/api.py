@@ -9,10 +9,9 @@ from . import quant
 from .distortion import Calibration, LayerTables, modelled_distortion
 from .errors import BudgetInfeasible, RDKVError
 from .fold import FoldPolicy
-from .methods import AUTO, RDKV, Allocation, HeldLayer, Method, resolve
+from .methods import AUTO, RDKV, Allocation, HeldLayer, Method, Solve, resolve
 from .records import Record
 from .rope import rope_table, rotate
-from .solvers.allocate import allocate
 from .solvers.mckp import Infeasible
 from .trizone import PackSpec, TriZoneCache, TriZoneLayer, fp16_bytes, pack_choice
 
@@ -91,21 +90,21 @@ def allocation_tables(rec: Record, method: str | Method = AUTO, **options) -> tu
     return m, m.all_tables(rec, held), fp16
 
 
-def _budget_for_error(tables: list[LayerTables], fp16: list[int], scope: str, passes: int, cal: Calibration,
-                      error: float, steps: int = 14) -> float:
+def _budget_for_error(tables: list[LayerTables], fp16: list[int], solve: Solve, cal: Calibration, error: float,
+                      steps: int = 14) -> float:
     """The smallest budget fraction (to 1/2^steps of the bracket) whose allocation's predicted KL <= error."""
     target = cal.distortion_for(error)
 
     def ok(b: float) -> bool:
         try:
-            return modelled_distortion(tables, *allocate(tables, [b * f for f in fp16], scope, passes)) <= target
+            return modelled_distortion(tables, *solve(tables, [b * f for f in fp16])) <= target
         except Infeasible:  # below the smallest feasible budget
             return False
 
     lo, hi = 0.0, 1.0
     if not ok(hi):
         raise RDKVError(f"error={error} is below what the format reaches even at budget 1.0 (predicted KL "
-                        f"{cal.predict(modelled_distortion(tables, *allocate(tables, fp16, scope, passes))):.3g}); raise error")
+                        f"{cal.predict(modelled_distortion(tables, *solve(tables, fp16))):.3g}); raise error")
     for _ in range(steps):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
@@ -179,7 +178,7 @@ def compress(rec: Record, budget: float | None = None, *, method: str | Method =
     try:
         if error is not None:
             tables = m.all_tables(rec, held)
-            budget = _budget_for_error(tables, fp16, m.solve.scope, m.solve.passes, calibration, error)
+            budget = _budget_for_error(tables, fp16, m.solve, calibration, error)
             alloc: Allocation = m.solved(tables, fp16, budget)
         else:
             alloc = m.allocate(rec, held, fp16, budget)
