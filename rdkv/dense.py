@@ -31,6 +31,25 @@ def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
     return ok
 
 
+def probabilities(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scaling: float,
+                  window: int | None = None, softcap: float | None = None,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention probabilities [B, H, G, c, Tk] of grouped queries q [B, H, G, c, D] over k [B, H, Tk, D] (both
+    float32), and which keys each query may see [B, 1, 1, c, Tk]: causality (and the sliding window) from the
+    positions, and ``mask`` [B, 1, c, Tk] (True = may attend). A query that may see nothing gets all zeros."""
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    ok = allowed_keys(q_pos, k_pos, window)
+    ok = ok.expand(q.shape[0], 1, 1, *ok.shape)
+    if mask is not None:
+        ok = ok & mask[:, None]
+    s = s.masked_fill(~ok, float("-inf"))
+    m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    p = (s - m).exp()
+    return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny), ok
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,17 +78,8 @@ def attend(
     chunk = max(1, elements // max(1, B * Hq * Tk))
     for a in range(0, L, chunk):
         qc = q[:, :, a : a + chunk].float().unflatten(1, (H, G))  # [B, H, G, c, D]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qc, kf) * scaling
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        ok = allowed_keys(q_pos[a : a + chunk], k_pos, window)  # [c, Tk]
-        ok = ok.expand(B, 1, 1, *ok.shape)
-        if mask is not None:
-            ok = ok & mask[:, None, :, a : a + chunk]
-        s = s.masked_fill(~ok, float("-inf"))
-        m = s.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
-        p = (s - m).exp()
-        p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+        p, ok = probabilities(qc, kf, q_pos[a : a + chunk], k_pos, scaling, window, softcap,
+                              None if mask is None else mask[:, :, a : a + chunk])
         o = torch.einsum("bhgqk,bhkd->bhgqd", p, vf)
         out[:, :, a : a + chunk] = o.flatten(1, 2).to(out.dtype)
         live = ok.any(-1)  # [B, 1|H, 1|G, c] query attends to something

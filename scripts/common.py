@@ -16,7 +16,7 @@ import torch
 
 import rdkv
 from rdkv.calibrate import PriorFit
-from rdkv.dense import allowed_keys
+from rdkv.dense import probabilities
 from rdkv.methods import Method
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
@@ -262,12 +262,11 @@ def dense_probs(st, q: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Ten
     """Exact attention probabilities [Hq, L, T] of queries q [Hq, L, D] (the last L positions the layer record
     ``st`` holds) over its last ``keys`` keys, and those keys' positions [T]. Diagnostics only: it forms the
     whole L x T matrix."""
-    k = st.key[0, :, -keys:].float()
+    k = st.key[:1, :, -keys:].float()
     k_pos, q_pos = torch.arange(st.seen - keys, st.seen), torch.arange(st.seen - q.shape[1], st.seen)
-    s = torch.einsum("hld,htd->hlt", q.float(), k.repeat_interleave(q.shape[0] // k.shape[0], 0)) * st.scaling
-    if st.softcap is not None:
-        s = torch.tanh(s / st.softcap) * st.softcap
-    return s.masked_fill(~allowed_keys(q_pos, k_pos, st.sliding_window), float("-inf")).softmax(-1), k_pos
+    p, _ = probabilities(q.float()[None].unflatten(1, (k.shape[1], -1)), k, q_pos, k_pos, st.scaling,
+                         st.sliding_window, st.softcap)
+    return p.flatten(1, 2)[0], k_pos
 
 
 def token_margins(logits: torch.Tensor, tail: torch.Tensor, n_ans: int) -> tuple[torch.Tensor, torch.Tensor]:

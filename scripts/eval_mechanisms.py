@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from common import RESULTS, domain_text, forward, header, parser, publish, table
 from rdkv.calibrate import kl
+from rdkv.dense import attend
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -116,9 +117,12 @@ class Layer:
         return q @ k.repeat_interleave(q.shape[0] // k.shape[0], 0).transpose(1, 2) * self.scaling
 
     def attend(self, k: torch.Tensor, v: torch.Tensor, last: int | None = None) -> torch.Tensor:
-        """Attention output [Hq, L', D] with keys ``k`` and values ``v``."""
-        p = self.logits(k, last).masked_fill(~self.allowed(last), float("-inf")).softmax(-1)
-        return p @ v.repeat_interleave(p.shape[0] // v.shape[0], 0)
+        """Attention output [Hq, L', D] with keys ``k`` and values ``v`` (:func:`rdkv.dense.attend`)."""
+        q = self.q if last is None else self.q[:, -last:]
+        T = k.shape[1]
+        out, _ = attend(q[None].float(), k[None], v[None], torch.arange(T - q.shape[1], T), torch.arange(T), self.scaling,
+                        self.window)
+        return out[0]
 
 
 def key_errors(layer: Layer, k_hat: torch.Tensor, ref_scores: torch.Tensor, ref_out: torch.Tensor) -> dict[str, float]:

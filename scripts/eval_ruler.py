@@ -30,15 +30,15 @@ DEFAULT_METHODS = ["rdkv", "rdkv-aware", "snapkv", "adakv", "streaming", "knorm"
 
 @torch.no_grad()
 def greedy(model, cache, ids: torch.Tensor, max_new: int, tok) -> str:
-    """Feed ``ids`` [1, L] through ``cache`` and decode greedily until a newline, EOS or ``max_new`` tokens."""
+    """Feed ``ids`` [1, L] through ``cache`` and decode greedily until EOS, a blank line (the model moving on) or
+    ``max_new`` tokens."""
     out = []
     for _ in range(max_new):
         nxt = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
         if nxt.item() == tok.eos_token_id:
             break
         out.append(nxt.item())
-        text = tok.decode(out)
-        if "\n" in text.strip(" "):
+        if "\n\n" in tok.decode(out).lstrip():
             break
         ids = nxt.view(1, 1)
     return tok.decode(out)
