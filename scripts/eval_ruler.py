@@ -135,17 +135,18 @@ def main() -> None:
     ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     ap.add_argument("--haystack", default="prose", choices=ruler.HAYSTACKS)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--report-only", action="store_true", help="write the table and plot from the answers so far")
     args = ap.parse_args()
     if args.quick:
         args.samples, args.budgets = 1, [0.025, 0.1]
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
-    model, tok = rdkv.models.load(args.model)
-    model.to(args.device)
     name = f"ruler_{args.model}_{tag}"
     path = RESULTS / f"{name}.jsonl"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    run(args, model, tok, path)
+    if not args.report_only:
+        model, tok = rdkv.models.load(args.model)
+        run(args, model.to(args.device), tok, path)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     summary = summarise(rows, args.tasks)
     cols = ["protocol", "context", "method", "budget", "bytes/fp16", *args.tasks, "mean", "% of full", "answers"]
