@@ -105,7 +105,7 @@ def _method(model: torch.nn.Module, method: str | Method, mode: str, window: int
         raise RDKVError(f"rdkv.prefill packs with RDKV methods (rdkv, rdkv-aware, rdkv-hybrid, ...); for {m.name!r}, "
                         "record the prefill with rdkv.record and call rdkv.compress")
     if mode == "layer":
-        if "surprisal" in options and options["surprisal"] > 0:
+        if options.get("surprisal", 0) > 0:
             raise RDKVError("mode='layer' packs each layer before the output head has run, so it has no surprisal "
                             "prior: pass surprisal=0, or use mode='staged'")
         m = m.with_options(surprisal=0.0)
