@@ -7,15 +7,16 @@ model, eviction price, weight pooling, K floor, whether tokens may be evicted, a
 the last ``window`` queries (here decode queries, which the layer keeps in ``t["qwin"]`` and counts in its
 bytes), one knapsack for the layer whose budget is ``budget`` x the fp16 bytes of the folded tokens. The
 generated tokens' surprisal is not recorded, so a fold's prior is the uniform ``floor`` alone, and joint
-eviction pricing (which needs the prefill's queries) does not apply. The newest ``keep`` tokens stay in 16 bits. Each layer folds itself during the decode
-step that fills its zone C, so every layer folds on the same step.
+eviction pricing (which needs the prefill's queries) does not apply. The newest ``keep`` tokens stay in 16
+bits. Each layer folds itself during the decode step that fills its zone C, so every layer folds on the same
+step.
 
 Segments of sliding-window layers that no future query can see are dropped: those layers stay bounded.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,12 +39,9 @@ class FoldPolicy:
     floor: float = 1.0  # the uniform prior of rdkv.distortion
     method: RDKV = field(default_factory=RDKV)  # what folds price with (compress sets the cache's own RDKV method)
 
-    def to_dict(self) -> dict:
-        return asdict(self) | {"method": asdict(self.method)}
-
     @classmethod
     def from_dict(cls, d: dict) -> FoldPolicy:
-        """The inverse of :meth:`to_dict` (``rdkv.io``)."""
+        """The policy ``dataclasses.asdict`` gave (``rdkv.io``)."""
         m = dict(d["method"])
         parts = {"weights": Weights, "prior": Prior, "eviction": Eviction, "solve": Solve, "spec": PackSpec}
         method = RDKV(**{k: parts[k](**v) if k in parts else v for k, v in m.items()})

@@ -101,7 +101,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
                                  "method": cache.method, "layer_distortion": cache.layer_distortion,
-                                 "fold": None if policy is None else policy.to_dict()}),
+                                 "fold": None if policy is None else asdict(policy)}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
     path = os.fspath(path)
