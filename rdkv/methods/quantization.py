@@ -18,29 +18,23 @@ from ..trizone import PackSpec
 from .base import Allocation, HeldLayer, Method, identity_perm
 
 
-def _check_bits(bits) -> None:
-    if bits not in quant.PACKED:
-        raise RDKVError(f"bits must be one of {quant.PACKED}, got {bits!r}")
-
-
 @dataclass(frozen=True)
 class Uniform(Method):
-    """Every V row and K channel at ``bits`` (int8, int4)."""
+    """Every V row and K channel at ``bits`` (int8, int4), except the last ``residual`` tokens' V rows, in 16 bits."""
 
     bits: int = 4
+    residual: int = 0
     fixed_rate: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check_bits(self.bits)
-
-    def residual_tokens(self) -> int:
-        return 0
+        if self.bits not in quant.PACKED:
+            raise RDKVError(f"bits must be one of {quant.PACKED}, got {self.bits!r}")
 
     def allocate(self, rec: Record, layers: list[HeldLayer], fp16: list[int], budget: float | None) -> Allocation:
         v, k = [], []
         for h in layers:
             pos = torch.arange(h.start, h.stats.seen, device=h.k.device)
-            recent = pos >= h.stats.seen - self.residual_tokens()
+            recent = pos >= h.stats.seen - self.residual
             w = torch.where(recent, quant.OPTION[16], quant.OPTION[self.bits]).expand_as(h.present)
             v.append(torch.where(h.present, w, quant.OPTION[0]))
             k.append(torch.full((*h.present.shape[:2], h.k.shape[-1] // self.spec.k_block), quant.OPTION[self.bits],
@@ -55,6 +49,3 @@ class KIVI(Uniform):
     bits: int = 2
     residual: int = 128
     spec: PackSpec = field(default_factory=lambda: PackSpec(v_group=32, k_group=32))
-
-    def residual_tokens(self) -> int:
-        return self.residual
