@@ -1,7 +1,7 @@
 """Fused TriZone decode attention in Triton (flash-decoding split-K over zones A, B and C).
 
 One launch of :func:`_trizone_attn` computes partial attention for every *work item*; one launch of
-:func:`_trizone_merge` combines the partials of each stream by log-sum-exp and writes the output.
+:func:`rdkv.kernels.lse_merge._lse_merge` combines the partials of each stream by log-sum-exp and writes the output.
 
 Work items
     Zone A+B: the kept tokens of stream ``s`` (ordered by V width class, then position) are cut into
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 
 from rdkv.errors import RDKVError
+from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
 from rdkv.trizone import TriZoneLayer
 
 LOG2E = 1.4426950408889634
@@ -93,21 +93,17 @@ def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
 
 
 @triton.jit
-def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
+def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr, FOLD_K: tl.constexpr,
+              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
               ROPE: tl.constexpr, kposf, rope_ptr):
     """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
 
-    ``FOLD_K``: the tile ``t0 + [0, BLOCK_N)`` lies inside one token group (the caller aligns tiles), so
-    its per-channel scale folds into q and its zero into one constant per query row,
-    ``q . (code * sc + z) = (q * sc) . code + q . z``: the dot reads the integer codes as they are, and
-    the scale/zero loads shrink from [KB, BLOCK_N] to [KB]. Otherwise the codes are dequantized first.
+    Codes are dequantized first (``code * scale + zero`` in fp32), then dotted in the query dtype.
     ``ROPE``: the keys were packed before RoPE; each dequantized block is rotated to the tile's positions
-    ``kposf`` (:func:`_rope_dot`), width-0 blocks (the channel means, ``codes_ptr``) included. The launcher
-    never combines it with ``FOLD_K``."""
+    ``kposf`` (:func:`_rope_dot`), width-0 blocks (the channel means, ``codes_ptr``) included."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
     j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
     c = tl.arange(0, KB)
@@ -135,27 +131,17 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base,
             byte = tl.load(codes_ptr + rows[None, :] * RB + rb[:, None], mask=tok_ok[None, :], other=0)
             sh = tl.arange(0, PER) * W
             code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
-            g0 = tl.load(kgrp_ptr + tab_base + j)
-            if FOLD_K:
-                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
-                sz = (g0 + t0 // K_GROUP) * KB + c
-                sc = tl.load(scale_ptr + sz).to(tl.float32)
-                zp = tl.load(zero_ptr + sz).to(tl.float32)
-                qf = qb.to(tl.float32)
-                scores += tl.dot((qf * sc[None, :]).to(DOT), code.to(DOT), input_precision=PREC)
-                scores += tl.reduce(qf * zp[None, :], 1, _add)[:, None]
+            grp = tl.load(kgrp_ptr + tab_base + j) + (i // K_GROUP).to(tl.int64)
+            sz = grp[None, :] * KB + c[:, None]
+            sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+            zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
+            kt = code.to(tl.float32) * sc + zp
+            if ROPE:
+                scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd,
+                                   DOT, PREC)
             else:
-                grp = g0 + (i // K_GROUP).to(tl.int64)
-                sz = grp[None, :] * KB + c[:, None]
-                sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-                zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-                kt = code.to(tl.float32) * sc + zp
-                if ROPE:
-                    scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd,
-                                       DOT, PREC)
-                else:
-                    qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
-                    scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
     return scores
 
 
@@ -205,41 +191,32 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
               K_GROUP, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT: tl.constexpr, PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
-              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, FOLD_K: tl.constexpr, ROPE: tl.constexpr,
-              rope_ptr):
-    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens (with ``FOLD_K``,
-    tiles start at multiples of ``BLOCK_N`` so none straddles a K token group; the launcher checks that
-    ``BLOCK_N`` divides the group)."""
+              SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, ROPE: tl.constexpr, rope_ptr):
+    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens."""
     a = tl.maximum(lo, c_lo)
     e = tl.minimum(hi, c_hi)
     d = tl.arange(0, D_PAD)
-    start = a
-    if FOLD_K:
-        start = tl.where(a < e, a - a % BLOCK_N, e)
-    for t0 in range(start, e, BLOCK_N):
+    for t0 in range(a, e, BLOCK_N):
         i = t0 + tl.arange(0, BLOCK_N)
-        if FOLD_K:
-            tok_ok = (i >= a) & (i < e)
-        else:
-            tok_ok = i < e
+        tok_ok = i < e
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
         kposf = kpos.to(tl.float32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
         if ROPE:  # without it, width-0 blocks are the constant ``bias``
-            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
                                kgrp_ptr, kcls_ptr, k0m, k0m, k0m, sqd, 0, 0, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
-                               FOLD_K, ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+                               ROPE, kposf, rope_ptr)
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, t0, i, tok_ok, tab_base, kord_ptr, krow_ptr,
-                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N, FOLD_K,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+                           kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
@@ -292,8 +269,7 @@ def _trizone_attn(
     D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
     VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, FOLD_K: tl.constexpr,
-    ROPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
@@ -346,7 +322,7 @@ def _trizone_attn(
                                       smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k0m, k2c, k2s, k2z, k4c, k4s,
                                       k4z, k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD,
                                       NB, K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP,
-                                      BLOCK_M, scale2, FOLD_K, ROPE, rope_ptr)
+                                      BLOCK_M, scale2, ROPE, rope_ptr)
     else:
         cid = pid - n_ab
         s = cid // c_chunks
@@ -377,51 +353,6 @@ def _trizone_attn(
     base = pid.to(tl.int64) * GL
     tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + base + m, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_in(p, mx, wsum, acc, part_ptr, lse_ptr, GL, m, d, row_ok, om, D: tl.constexpr):
-    """Fold partial result ``p`` into the running (max, weight sum, weighted output) of a merge."""
-    lse = tl.load(lse_ptr + p * GL + m, mask=row_ok, other=float("-inf"))
-    new = tl.maximum(mx, lse)
-    safe = tl.where(new == float("-inf"), 0.0, new)  # -inf - -inf would be NaN
-    alpha = tl.exp2(mx - safe)
-    w = tl.exp2(lse - safe)
-    o = tl.load(part_ptr + (p * GL + m)[:, None] * D + d[None, :], mask=om, other=0.0)
-    return new, wsum * alpha + w, acc * alpha[:, None] + w[:, None] * o
-
-
-@triton.jit
-def _trizone_merge(part_ptr, lse_ptr, seg_first_ptr, seg_cnt_ptr, n_seg, out_ptr, c_base, c_chunks, H, G, L,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """out[b, h*G+g, l] = sum_k 2^(lse_k - lse) o_k over the stream's chunks (zero if none saw a key):
-    the chunks of every packed segment (``seg_first``/``seg_cnt`` [n_seg, S]), then those of zone C."""
-    s = tl.program_id(0)
-    S = tl.num_programs(0)
-    ND: tl.constexpr = D // BLOCK_D
-    mb = tl.program_id(1) // ND
-    GL = G * L
-    m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = m < GL
-    d = (tl.program_id(1) % ND) * BLOCK_D + tl.arange(0, BLOCK_D)
-    om = row_ok[:, None] & (d < D)[None, :]
-    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    wsum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    for j in range(n_seg):
-        first = tl.load(seg_first_ptr + j * S + s)
-        for k in range(tl.load(seg_cnt_ptr + j * S + s)):
-            mx, wsum, acc = _merge_in((first + k).to(tl.int64), mx, wsum, acc, part_ptr, lse_ptr, GL, m, d, row_ok, om, D)
-    for k in range(c_chunks):
-        mx, wsum, acc = _merge_in((c_base + s * c_chunks + k).to(tl.int64), mx, wsum, acc, part_ptr, lse_ptr, GL, m, d,
-                                  row_ok, om, D)
-    res = acc / tl.where(wsum > 0, wsum, 1.0)[:, None]
-    b = s // H
-    h = s % H
-    g = m // L
-    q_l = m % L
-    dst = ((b * H * G + h * G + g).to(tl.int64) * L + q_l)[:, None] * D + d[None, :]
-    tl.store(out_ptr + dst, res.to(out_ptr.dtype.element_ty), mask=om)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -515,39 +446,50 @@ def _pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-# Fold K scales into q, or dequantize K codes first: a compile-time choice, see _k_scores. Dequantizing
-# first was 1.2-2.1x faster on an H200 in all 18 rows of the decode benchmark (docs/benchmarks.md).
-FOLD_K = False
-
-
 @dataclass(frozen=True)
-class Config:
-    block_n: int
-    num_warps: int
-    num_stages: int = 1
-    maxnreg: int | None = None  # lets ptxas use every register instead of spilling to gain occupancy
-    fold_k: bool = FOLD_K  # fold K scales into q (needs block_n | k_group) rather than dequantize first
+class LaunchConfig:
+    """Launch settings of the decode kernel; a field left ``None`` takes the default of :func:`launch_config`.
+
+    ``block_n``: tokens per tile (a power of two >= 16); ``num_warps``; ``num_stages``: software pipelining
+    depth of the tile loops; ``maxnreg``: register cap per thread (lets ptxas use every register instead of
+    spilling, or trades registers for programs per SM); ``split``: tokens per work item (a multiple of
+    ``block_n`` after rounding up). ``scripts/bench_decode.py --sweep`` times a list of these.
+    """
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    maxnreg: int | None = None
+    split: int | None = None
+
+    def check(self) -> None:
+        for name in ("block_n", "num_warps", "num_stages", "maxnreg", "split"):
+            x = getattr(self, name)
+            if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
+                raise RDKVError(f"LaunchConfig.{name} must be a positive int or None, got {x!r}")
+        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
+            raise RDKVError(f"LaunchConfig.block_n must be a power of two >= 16 (a tl.dot shape), got {self.block_n}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise RDKVError(f"LaunchConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise RDKVError(f"LaunchConfig.maxnreg must be in 24..255 (registers per thread), got {self.maxnreg}")
 
 
-def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16, rope: bool = False) -> Config:
-    """Tile sizes per head_dim, query-row block, dtype and key layout (``rope``: pre-RoPE keys), chosen so no
-    variant spills registers (checked by scripts/compile_check.py). RDKV_KERNEL_BLOCK_N / RDKV_KERNEL_WARPS / RDKV_KERNEL_FOLD_K
-    (0 or 1) / RDKV_KERNEL_MAXNREG override them for experiments (scripts/bench_decode.py --sweep)."""
+def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16, rope: bool = False,
+                  override: LaunchConfig | None = None) -> LaunchConfig:
+    """Launch settings per head_dim, query-row block, dtype and key layout (``rope``: pre-RoPE keys), chosen so
+    no variant spills registers (checked by scripts/compile_check.py); fields set in ``override`` win.
+    ``split`` stays ``None`` unless overridden (:func:`choose_split` picks it per layer)."""
+    o = override or LaunchConfig()
+    o.check()
     block_n = 64 if D <= 128 else 32
-    warps = 4 if D <= 64 else 8
+    warps = o.num_warps or (4 if D <= 64 else 8)
     maxnreg = None
     if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
-        block_n, maxnreg = 16, 65536 // (32 * warps)
+        block_n, maxnreg = 16, min(255, 65536 // (32 * warps))
     elif rope:  # left alone, ptxas stops at 168 registers and spills ~1 KB at head_dim 64 (sm_90)
         maxnreg = 255
-    block_n = int(os.environ.get("RDKV_KERNEL_BLOCK_N", 0)) or block_n
-    warps = int(os.environ.get("RDKV_KERNEL_WARPS", 0)) or warps
-    maxnreg = int(os.environ.get("RDKV_KERNEL_MAXNREG", 0)) or maxnreg
-    fold = os.environ.get("RDKV_KERNEL_FOLD_K", "")
-    if fold not in ("", "0", "1"):
-        raise RDKVError(f"RDKV_KERNEL_FOLD_K must be 0 or 1, got {fold!r}")
-    return Config(block_n, warps, maxnreg=min(255, maxnreg) if maxnreg else None,
-                  fold_k=FOLD_K if fold == "" else fold == "1")
+    return LaunchConfig(o.block_n or block_n, warps, o.num_stages or 1, o.maxnreg or maxnreg, o.split)
 
 
 def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
@@ -556,21 +498,15 @@ def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
     return min(16 if dtype == torch.float32 else 32, max(16, _pow2(rows)))
 
 
-MERGE_BLOCK_D = 64  # the merge kernel tiles D too, so its fp32 tiles stay small (no spills at D=256)
-
-
-def merge_warps(D: int, block_m: int) -> int:
-    return 4
-
-
-def choose_split(layer: TriZoneLayer, q: torch.Tensor, block_n: int) -> int:
-    """Tokens per zone A+B work item: about two work items per SM over the whole layer, >= 256."""
-    split = int(os.environ.get("RDKV_KERNEL_SPLIT", 0))
+def choose_split(layer: TriZoneLayer, q: torch.Tensor, cfg: LaunchConfig) -> int:
+    """Tokens per zone A+B work item (``cfg.split`` if set): about two work items per SM over the whole layer,
+    >= 256, rounded up to whole tiles."""
+    split = cfg.split
     if not split:
         n_tok = int(layer.t["pos"].numel())
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         split = min(max(-(-n_tok // max(1, 2 * sms)), 256), 8192)
-    return -(-split // block_n) * block_n
+    return -(-split // cfg.block_n) * cfg.block_n
 
 
 _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -614,10 +550,12 @@ def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
 
 
 def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
-                   softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   softcap: float | None = None, mask: torch.Tensor | None = None,
+                   launch: LaunchConfig | None = None) -> torch.Tensor:
     """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D].
 
-    Same contract as :func:`rdkv.reference.trizone_attention`, computed by the fused kernel.
+    Same contract as :func:`rdkv.reference.trizone_attention`, computed by the fused kernel; ``launch``
+    overrides the default launch settings (:class:`LaunchConfig`).
     """
     check(query, layer, softcap, mask)
     B, Hq, L, D = query.shape
@@ -627,9 +565,9 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     GL = G * L
     block_m = block_m_for(GL, query.dtype)
     m_blocks = -(-GL // block_m)
-    cfg = launch_config(D, block_m, query.dtype)
+    cfg = launch_config(D, block_m, query.dtype, override=launch)
     segs = layer.segments()
-    tabs = [tables(seg, choose_split(seg, query, cfg.block_n)) for seg in segs]
+    tabs = [tables(seg, choose_split(seg, query, cfg)) for seg in segs]
     seq = layer.get_seq_length()
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     kc, vc = t["kc"], t["vc"]
@@ -660,7 +598,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             x = st.get(name)
             return x if x is not None and x.numel() else torch.zeros(1, dtype=dtype, device=dev)
 
-        regs = launch_config(D, block_m, query.dtype, "rope" in st).maxnreg
+        seg_cfg = launch_config(D, block_m, query.dtype, "rope" in st, launch)
         _trizone_attn[(size, m_blocks)](
             query, *query.stride(), part[off:], lse[off:],
             st["pos"], st["k_perm"], tab.tok0, tab.vcls, tab.vbase, tab.kord, tab.krow, tab.kgrp, tab.kcls,
@@ -680,8 +618,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             VG2=spec.v_group_of(2), VG4=spec.v_group_of(4), VG8=spec.v_group_of(8), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
-            FOLD_K=cfg.fold_k and spec.k_group % cfg.block_n == 0 and "rope" not in st, ROPE="rope" in st,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": regs} if regs else {}),
+            ROPE="rope" in st, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": seg_cfg.maxnreg} if seg_cfg.maxnreg else {}),
         )
     if len(tabs) == 1:
         seg_first, seg_cnt = tabs[0].ab_first, tabs[0].ab_cnt
@@ -689,7 +627,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
         seg_first = torch.stack([tab.ab_first + off for tab, off in zip(tabs, offs)])
         seg_cnt = torch.stack([tab.ab_cnt for tab in tabs])
     block_d = min(D, MERGE_BLOCK_D)
-    _trizone_merge[(S, m_blocks * (D // block_d))](part, lse, seg_first, seg_cnt, len(tabs), out, tabs[0].n_ab,
+    _lse_merge[(S, m_blocks * (D // block_d))](part, lse, seg_first, seg_cnt, len(tabs), out, tabs[0].n_ab,
                                   c_chunks, H, G, L, D=D, BLOCK_D=block_d, BLOCK_M=block_m,
-                                  num_warps=merge_warps(D, block_m))
+                                  num_warps=MERGE_WARPS)
     return out

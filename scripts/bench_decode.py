@@ -12,7 +12,6 @@ For every (context, batch, budget) it times
                 i.e. what a format without a fused kernel has to do every step;
 * ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K block
                 to its tokens' positions inside the dots, so this column is the price of that rotation.
-                (The other compile-time K path, ``FOLD_K``, is one of ``--sweep``'s settings.)
 
 and reports bytes the TriZone step reads (every tensor of the layer plus q: each byte is read once) per
 second, as a fraction of the GPU's peak memory bandwidth (nominal figure for known GPUs, and the
@@ -139,26 +138,19 @@ def peak_bandwidth(dev: torch.device) -> tuple[str, float | None, float | None]:
     return name, nominal, 2 * x.numel() / secs
 
 
-SWEEP_KEYS = ("RDKV_KERNEL_BLOCK_N", "RDKV_KERNEL_WARPS", "RDKV_KERNEL_FOLD_K", "RDKV_KERNEL_MAXNREG")
-# (block_n, warps, fold K scales, register cap or None): the settings the H200 sweeps left close
-# (docs/results/gpu/); a register cap trades spills for more programs per SM
-SWEEP = [(64, 8, 0, None), (64, 8, 0, 128), (128, 4, 0, None), (128, 4, 1, None), (64, 4, 0, 128),
-         (128, 4, 0, 128), (256, 4, 0, None), (32, 4, 0, None)]
+# launch settings the H200 sweeps left close (docs/results/gpu/); a register cap trades spills for more
+# programs per SM, num_stages pipelines the tile loop's loads
+SWEEP = [dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=8, maxnreg=128), dict(block_n=128, num_warps=4),
+         dict(block_n=64, num_warps=4, maxnreg=128), dict(block_n=128, num_warps=4, maxnreg=128),
+         dict(block_n=256, num_warps=4), dict(block_n=32, num_warps=4), dict(block_n=64, num_warps=8, num_stages=2),
+         dict(block_n=64, num_warps=4, num_stages=3, maxnreg=128)]
 
 
-def set_launch(combo: tuple | None) -> None:
-    for k, val in zip(SWEEP_KEYS, combo or (None,) * len(SWEEP_KEYS)):
-        if val is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = str(val)
-
-
-def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
-    """Graph time of the fused step over launch settings (tokens per tile, warps, K path, register cap)
-    at one (context, batch, budget), each checked against the torch reference: the
-    measurement behind ``launch_config``'s choices. Returns the fastest setting."""
-    from rdkv.kernels.trizone_decode import trizone_decode
+def sweep(spec: str, dev: torch.device, out: str | None):
+    """Graph time of the fused step over launch settings (tokens per tile, warps, pipelining, register cap)
+    at one (context, batch, budget), each checked against the torch reference: the measurement behind
+    ``launch_config``'s choices. Returns the fastest setting as a ``LaunchConfig`` (None if none ran)."""
+    from rdkv.kernels.trizone_decode import LaunchConfig, trizone_decode
     from rdkv.reference import trizone_attention
 
     T, B, budget = int(spec.split(",")[0]), int(spec.split(",")[1]), float(spec.split(",")[2])
@@ -169,26 +161,25 @@ def sweep(spec: str, dev: torch.device, out: str | None) -> tuple:
     read = layer.nbytes + q.numel() * q.element_size()
     lines = [f"# Launch sweep: context {T}, batch {B}, budget {budget} (bytes {ratio:.3f}), {torch.cuda.get_device_name(dev)}",
              "", "Max |error| is against the torch reference in fp32 (fp16 kernel output: one ulp at |out| ~ 1 is 1e-3).", "",
-             "| block_n | warps | K path | register cap | graph us | GB/s read | max error |",
+             "| block_n | warps | stages | register cap | graph us | GB/s read | max error |",
              "|---|---|---|---|---|---|---|"]
     best = (float("inf"), None)
     for combo in SWEEP:
-        set_launch(combo)
+        launch = LaunchConfig(**combo)
         t = err = None
         try:
-            err = float((trizone_decode(q, layer, D ** -0.5).float() - want).abs().max())
-            g = graphed(lambda: trizone_decode(q, layer, D ** -0.5))
+            err = float((trizone_decode(q, layer, D ** -0.5, launch=launch).float() - want).abs().max())
+            g = graphed(lambda: trizone_decode(q, layer, D ** -0.5, launch=launch))
             t = bench(g) if g else None
         except Exception as e:  # a setting the compiler refuses (e.g. out of registers): say so, go on
             print(f"{combo}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         if t and err is not None and err < 1e-2 and t < best[0]:
-            best = (t, combo)
-        row = (f"| {combo[0]} | {combo[1]} | {'fold' if combo[2] else 'deq-first'} | {combo[3] or '-'} | "
+            best = (t, launch)
+        row = (f"| {launch.block_n} | {launch.num_warps} | {launch.num_stages or 1} | {launch.maxnreg or '-'} | "
                f"{t * 1e6 if t else float('nan'):.1f} | {read / t / 1e9 if t else float('nan'):.0f} | "
                f"{err if err is not None else float('nan'):.1e} |")
         print(row, flush=True)
         lines.append(row)
-    set_launch(None)
     lines += ["", f"Fastest: {best[1]} at {best[0] * 1e6:.1f} us."]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -218,23 +209,23 @@ def main(argv=None) -> int:
         if dev.type != "cuda":
             print("--sweep times the Triton kernel: it needs --device cuda", file=sys.stderr)
             return 2
-        best = sweep(a.sweep, dev, a.out)
+        launch = sweep(a.sweep, dev, a.out)
         if not a.then_table:
             return 0
-        set_launch(best)
-        print(f"table with launch setting {dict(zip(SWEEP_KEYS, best or ()))}", flush=True)
+        print(f"table with launch setting {launch}", flush=True)
+    else:
+        launch = None
     contexts = a.contexts or ([1024, 4096] if a.quick else [8192, 32768, 131072])
     batches = a.batches or ([1, 2] if a.quick else [1, 8])
     budgets = a.budgets or [0.025, 0.10, 0.25]
-    fused_fold, setting = False, ""
+    setting = ""
     if dev.type == "cuda":
-        from rdkv.kernels.trizone_decode import launch_config
-        from rdkv.kernels.trizone_decode import trizone_decode as fused
+        from rdkv.kernels.trizone_decode import launch_config, trizone_decode
 
-        cfg = launch_config(D, 16, torch.float16)
-        fused_fold = cfg.fold_k
-        setting = (f"block_n {cfg.block_n}, {cfg.num_warps} warps"
+        cfg = launch_config(D, 16, torch.float16, override=launch)
+        setting = (f"block_n {cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stage(s)"
                    + (f", at most {cfg.maxnreg} registers" if cfg.maxnreg else ""))
+        fused = lambda q, layer, scaling: trizone_decode(q, layer, scaling, launch=launch)  # noqa: E731
     else:
         from rdkv.reference import trizone_attention as fused
     bench = timer(dev, a.quick)
@@ -304,7 +295,7 @@ def main(argv=None) -> int:
              f"PackSpec(v_group={SPEC.v_group}, k_group={SPEC.k_group}, k_block={SPEC.k_block}).",
              f"Peak bandwidth: nominal {nominal / 1e9:.0f} GB/s, measured copy {copy_bw / 1e9:.0f} GB/s." if nominal and copy_bw
              else (f"Measured copy bandwidth {copy_bw / 1e9:.0f} GB/s (device not in the nominal table)." if copy_bw else ""),
-             f"TriZone = the kernel ({setting}; K path: {'scales folded into q' if fused_fold else 'dequantize first'}); "
+             f"TriZone = the kernel ({setting}); "
              "pre-RoPE = the same layer with pre-RoPE keys, rotated at decode (graph time on a GPU). "
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
              "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph).",

@@ -50,7 +50,6 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=D, dtype="bf16", GL=8, L=1, flags=(False, False, False), kb=32))
         out.append(dict(D=D, dtype="fp16", GL=24, L=3, flags=(False, False, False), kb=16, vg=(64, 32, 16)))  # per width
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
-        out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, fold=True))  # scales folded
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, rope=True))  # pre-RoPE keys
     return out
 
@@ -127,6 +126,7 @@ def compile_one(v: dict, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from rdkv.kernels import lse_merge
     from rdkv.kernels import trizone_decode as m
 
     D, GL = v["D"], v["GL"]
@@ -135,21 +135,20 @@ def compile_one(v: dict, arch: int) -> dict:
     block_m = m.block_m_for(GL, dtype)
     cfg = m.launch_config(D, block_m, dtype, v.get("rope", False))
     if v.get("kernel") == "merge":
-        fn = m._trizone_merge
-        consts = dict(D=D, BLOCK_D=min(D, m.MERGE_BLOCK_D), BLOCK_M=block_m)
+        fn = lse_merge._lse_merge
+        consts = dict(D=D, BLOCK_D=min(D, lse_merge.MERGE_BLOCK_D), BLOCK_M=block_m)
         sig = {n: "constexpr" if n in consts else ("*fp32" if n in ("part_ptr", "lse_ptr") else "*i32" if n.endswith("_ptr")
                                                    and n != "out_ptr" else PTR_DTYPES[v["dtype"]] if n == "out_ptr" else "i32")
                for n in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
         t0 = time.time()
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=m.merge_warps(D, block_m),
-                                                                                 num_stages=1))
-        return dict(v, arch=arch, block_m=block_m, block_n=0, warps=m.merge_warps(D, block_m), smem=k.metadata.shared, secs=time.time() - t0,
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=lse_merge.MERGE_WARPS, num_stages=1))
+        return dict(v, arch=arch, block_m=block_m, block_n=0, warps=lse_merge.MERGE_WARPS, smem=k.metadata.shared, secs=time.time() - t0,
                     **resource_usage(k, arch))
     dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
     consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], **dict(zip(("VG2", "VG4", "VG8"), v.get("vg", (32, 32, 32)))), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
                   PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
-                  FOLD_K=v.get("fold", cfg.fold_k), ROPE=v.get("rope", False))
+                  ROPE=v.get("rope", False))
     dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
     fn = m._trizone_attn
     sig = signature(fn, v["dtype"], dt16)
@@ -157,7 +156,7 @@ def compile_one(v: dict, arch: int) -> dict:
         sig[k] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
     t0 = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if getattr(cfg, "maxnreg", None) else {}),
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
                                                                              num_stages=cfg.num_stages))
     secs = time.time() - t0
     ru = resource_usage(k, arch)
@@ -298,7 +297,7 @@ def main(argv=None) -> int:
         print(head)
     for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        name = "merge" if r.get("kernel") == "merge" else "fold" if r.get("fold") else "rope" if r.get("rope") else "attn"
+        name = "merge" if r.get("kernel") == "merge" else "rope" if r.get("rope") else "attn"
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:

@@ -38,8 +38,9 @@ from rdkv import RDKVError
 from rdkv.reference import trizone_attention
 from rdkv.trizone import PackSpec, pack_layer
 
-if "rdkv.kernels.trizone_decode" in sys.modules:  # imported earlier without the interpreter: redecorate
-    importlib.reload(sys.modules["rdkv.kernels.trizone_decode"])
+for _name in ("rdkv.kernels.lse_merge", "rdkv.kernels.trizone_decode"):  # imported earlier without the
+    if _name in sys.modules:                                             # interpreter: redecorate
+        importlib.reload(sys.modules[_name])
 from rdkv.kernels import trizone_decode as kmod  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
@@ -61,7 +62,7 @@ def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 
     between streams, including empty classes), its own K block widths from ``kmix``, and its own
     channel permutation. ``empty_streams`` streams evict everything.
     """
-    spec = spec or PackSpec(v_group=32, k_group=64, k_block=16)  # 64: a multiple of every block_n, so K scales can fold
+    spec = spec or PackSpec(v_group=32, k_group=64, k_block=16)
     g = torch.Generator().manual_seed(seed)
     S = B * H
     k = torch.randn(B, H, T, D, generator=g) * 1.5
@@ -90,12 +91,12 @@ def query(layer, G, L, dtype, seed=1):
     return torch.randn(layer.batch, layer.heads * G, L, layer.head_dim, generator=g).to(dtype).to(DEVICE)
 
 
-def check(layer, q, window=None, softcap=None, mask=None):
+def check(layer, q, window=None, softcap=None, mask=None, launch=None):
     if mask is not None:
         mask = mask.to(DEVICE)
     scaling = layer.head_dim ** -0.5
     want = trizone_attention(q, layer, scaling, window, softcap, mask)
-    got = kmod.trizone_decode(q, layer, scaling, window, softcap, mask)
+    got = kmod.trizone_decode(q, layer, scaling, window, softcap, mask, launch)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **TOL[q.dtype])
@@ -133,32 +134,22 @@ def test_kernel_matches_reference(B, H, T, D, n_c, G, L, dtype, vmix, kmix):
     check(layer, query(layer, G, L, dtype))
 
 
-@pytest.mark.parametrize("case", [0, 1, 3, 7, 12], ids=lambda i: f"grid{i}")
-def test_folded_k_scales_match_reference(monkeypatch, case):
-    """The other compile-time K path (scales folded into q, codes dotted as they are) on a sample of the
-    grid; test_bf16_cache_with_fp32_queries_and_other_pack_specs' k_group=7 layer, which block_n does not
-    divide, takes the dequantizing path whatever the setting."""
-    monkeypatch.setenv("RDKV_KERNEL_FOLD_K", "1")
-    B, H, T, D, n_c, G, L, dtype, vmix, kmix = GRID[case]
-    layer = build(seed=T + D + n_c, B=B, H=H, T=T, D=D, n_c=n_c, vmix=vmix, kmix=kmix)
-    check(layer, query(layer, G, L, dtype))
-
-
-def test_folded_k_scales_are_used_and_agree_with_dequantizing(monkeypatch):
-    """Both K paths on one layer whose class starts fall mid-tile and mid-group: the fold path runs
-    (launch config), and the two agree within the fp16 tolerance."""
+def test_launch_settings_are_an_argument_and_checked():
+    """Other tile sizes, warps, pipelining depth and work-item split give the reference's result; bad
+    settings raise before any launch."""
     layer = build(seed=21, B=2, H=2, T=700, D=128, n_c=3, kmix=(2, 4, 8))
     q = query(layer, 4, 1, torch.float16)
-    assert not kmod.launch_config(128, 16, torch.float16).fold_k  # the default, measured faster on a GPU
-    first = kmod.trizone_decode(q, layer, 128 ** -0.5)
-    monkeypatch.setenv("RDKV_KERNEL_FOLD_K", "1")
-    assert kmod.launch_config(128, 16, torch.float16).fold_k and layer.spec.k_group % 64 == 0
-    folded = kmod.trizone_decode(q, layer, 128 ** -0.5)
-    torch.testing.assert_close(folded.float(), first.float(), **TOL[torch.float16])
-    assert (folded != first).any()  # two different roundings, so two different programs ran
-    monkeypatch.setenv("RDKV_KERNEL_FOLD_K", "yes")
-    with pytest.raises(RDKVError, match="RDKV_KERNEL_FOLD_K"):
-        kmod.trizone_decode(q, layer, 128 ** -0.5)
+    for launch in (kmod.LaunchConfig(block_n=32, num_warps=4, num_stages=2, split=128),
+                   kmod.LaunchConfig(block_n=128, maxnreg=128)):
+        want = trizone_attention(q, layer, 128 ** -0.5)
+        got = kmod.trizone_decode(q, layer, 128 ** -0.5, launch=launch)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    assert kmod.launch_config(128, 16, override=kmod.LaunchConfig(split=100)).split == 100
+    assert kmod.choose_split(layer, q, kmod.launch_config(128, 16, override=kmod.LaunchConfig(split=100))) == 128
+    for bad, what in ((kmod.LaunchConfig(block_n=48), "block_n"), (kmod.LaunchConfig(num_warps=3), "num_warps"),
+                      (kmod.LaunchConfig(split=0), "split"), (kmod.LaunchConfig(maxnreg=300), "maxnreg")):
+        with pytest.raises(RDKVError, match=what):
+            kmod.trizone_decode(q, layer, 128 ** -0.5, launch=bad)
 
 
 def rope_table(D: int, base: float = 10000.0, scaling: float = 1.25) -> torch.Tensor:
@@ -217,11 +208,10 @@ def test_every_mix_of_width_classes():
 
 
 @pytest.mark.parametrize("split", [64, 128])
-def test_many_splits_and_ragged_streams(monkeypatch, split):
+def test_many_splits_and_ragged_streams(split):
     """Small splits: many work items per stream, chunks that cross class boundaries, empty streams."""
-    monkeypatch.setenv("RDKV_KERNEL_SPLIT", str(split))
     layer = build(seed=7, B=3, H=2, T=600, D=64, n_c=70, empty_streams=2)
-    check(layer, query(layer, 4, 3, torch.float16))
+    check(layer, query(layer, 4, 3, torch.float16), launch=kmod.LaunchConfig(split=split))
 
 
 def test_sliding_window_and_start_offset():
@@ -268,19 +258,18 @@ def test_bf16_queries_on_gpu(D):
     check(layer, query(layer, 3, 3, torch.bfloat16))
 
 
-@pytest.mark.parametrize("split", [None, "64"])
-def test_folded_segments_merge_with_the_prefix_and_zone_c(monkeypatch, split):
+@pytest.mark.parametrize("split", [None, 64])
+def test_folded_segments_merge_with_the_prefix_and_zone_c(split):
     """A layer with two folds (one fully evicted in some streams) and a window that hides the first."""
-    if split:
-        monkeypatch.setenv("RDKV_KERNEL_SPLIT", split)
+    launch = kmod.LaunchConfig(split=split)
     layer = build(seed=13, B=2, H=2, T=300, D=64, n_c=0)
     layer.folds = [build(seed=14, B=2, H=2, T=150, D=64, n_c=0, start=300),
                    build(seed=15, B=2, H=2, T=90, D=64, n_c=0, start=450, empty_streams=1)]
     layer.c_start = 540
     g = torch.Generator().manual_seed(2)
     layer.update(*(torch.randn(2, 2, 7, 64, generator=g).to(DEVICE) for _ in range(2)))
-    check(layer, query(layer, 3, 2, torch.float16))
-    check(layer, query(layer, 3, 2, torch.float32), window=200)
+    check(layer, query(layer, 3, 2, torch.float16), launch=launch)
+    check(layer, query(layer, 3, 2, torch.float32), window=200, launch=launch)
 
 
 def test_many_query_rows_tile_over_the_m_axis():
