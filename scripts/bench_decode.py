@@ -8,6 +8,9 @@ For every (context, batch, budget) it times
 * ``trizone``   the fused Triton kernel (``--device cuda``) or the torch reference (``--device cpu``);
 * ``sdpa-full`` torch SDPA over the full fp16 cache (FlashAttention backend on GPU; the G query heads
                 of a KV head ride as G query rows of one head, which is exact for decode);
+* ``flash-full`` the split-K flash-decoding kernel over the full fp16 cache (``rdkv.kernels.flash_decode``,
+                GPU only), at the fastest of ``ANCHOR_SETTINGS`` for each (context, batch). Every speed ratio
+                is against the faster of the two full-cache paths, ``best full``;
 * ``deq-sdpa``  dequantize the TriZone layer to fp16 (``TriZoneLayer.dequantize``) and run SDPA over it,
                 i.e. what a format without a fused kernel has to do every step;
 * ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K block
@@ -52,6 +55,34 @@ PEAK = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-
         ("RTX 4090", 1.008e12), ("B200", 8.0e12)]
 V_MIX = torch.tensor([0.15, 0.35, 0.35, 0.15])  # kept tokens over V widths 2/4/8/16 (besides the 16-bit window)
 K_WIDTHS = torch.tensor([0, 2, 4, 4, 8, 8, 16, 16])  # per stream, one width per 16-channel block (shuffled)
+
+
+# launch settings of the full-cache anchor tried at every (context, batch); the fastest one is reported
+ANCHOR_SETTINGS = [dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
+                   dict(block_n=128, num_warps=8, num_stages=3), dict(block_n=64, num_warps=8, num_stages=2),
+                   dict(block_n=32, num_warps=4, num_stages=4)]
+
+
+def best_anchor(q, k, v, bench) -> tuple[float | None, dict | None]:
+    """Graph time of the fastest anchor setting (checked against SDPA), or (None, None) off the GPU."""
+    if q.device.type != "cuda":
+        return None, None
+    from rdkv.kernels.flash_decode import flash_decode
+
+    B, Hq, _, D = q.shape
+    want = F.scaled_dot_product_attention(q.view(B, k.shape[1], -1, D), k, v).view(B, Hq, 1, D)
+    best = (None, None)
+    for setting in ANCHOR_SETTINGS:
+        step = lambda: flash_decode(q, k, v, D ** -0.5, **setting)  # noqa: E731
+        err = float((step().float() - want.float()).abs().max())
+        if err > 1e-2:
+            print(f"anchor {setting}: max error {err:.1e} against SDPA, skipped", file=sys.stderr)
+            continue
+        g = graphed(step)
+        t = bench(g or step)
+        if best[0] is None or t < best[0]:
+            best = (t, setting)
+    return best
 
 
 def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, dtype=torch.float16):
@@ -243,7 +274,9 @@ def main(argv=None) -> int:
         g_full = graphed(full) if dev.type == "cuda" else None
         tg_full = bench(g_full) if g_full else None
         del g_full
+        t_anchor, anchor_setting = best_anchor(q, k_full, v_full, bench)
         full_bytes = 2 * k_full.numel() * k_full.element_size()
+        t_best_full = min(t for t in (tg_full or t_full, t_anchor) if t)  # the faster full-cache path (GPU time)
         k_full = v_full = None  # free them before the compressed runs (the closure above reads these names)
         for budget in budgets:
             layer, ratio = calibrated_layer(B, T, budget, dev)
@@ -276,6 +309,9 @@ def main(argv=None) -> int:
                              trizone_graph_us=tg_tz * 1e6 if tg_tz else None,
                              rope_us=tg_rope * 1e6,
                              sdpa_full_graph_us=tg_full * 1e6 if tg_full else None,
+                             flash_full_us=t_anchor * 1e6 if t_anchor else None, flash_setting=anchor_setting,
+                             flash_full_bw_GBps=full_bytes / t_anchor / 1e9 if t_anchor else None,
+                             speedup_vs_best_full=t_best_full / t_k,
                              speedup_vs_full=t_full / t_tz, speedup_vs_deq=(t_deq / t_tz) if t_deq else None,
                              speedup_graph=(tg_full / tg_tz) if tg_tz and tg_full else None,
                              bytes_read=read, bw_GBps=bw / 1e9, full_bw_GBps=full_bytes / t_full / 1e9,
@@ -285,6 +321,8 @@ def main(argv=None) -> int:
                   f"{r['trizone_us']:9.1f} us  full {r['sdpa_full_us']:9.1f} us  x{r['speedup_vs_full']:.2f}"
                   + (f"  deq {r['deq_sdpa_us']:9.1f} us" if t_deq else "")
                   + (f"  graph {r['trizone_graph_us']:.1f} vs {r['sdpa_full_graph_us']:.1f} us" if tg_tz and tg_full else "")
+                  + (f"  flash-full {r['flash_full_us']:.1f} us" if t_anchor else "")
+                  + f"  x{r['speedup_vs_best_full']:.2f} vs best full"
                   + f"  pre-RoPE {r['rope_us']:.1f} us"
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
             layer = None
@@ -298,16 +336,20 @@ def main(argv=None) -> int:
              f"TriZone = the kernel ({setting}); "
              "pre-RoPE = the same layer with pre-RoPE keys, rotated at decode (graph time on a GPU). "
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
-             "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph).",
+             "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph). flash-full = the split-K "
+             "anchor over the full cache (graph time, fastest setting of ANCHOR_SETTINGS; its GB/s = full-cache bytes / "
+             "time); x best = best full-cache time (SDPA graph or flash-full) / TriZone graph time.",
              "", "| context | batch | budget | bytes/fp16 | kept | TriZone us | SDPA full us | x vs full | TriZone graph us | "
-             "SDPA graph us | x graph | pre-RoPE us | deq+SDPA us | x vs deq | GB/s read | of peak | of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "SDPA graph us | x graph | flash-full us | flash-full GB/s | x best | pre-RoPE us | deq+SDPA us | x vs deq | "
+             "GB/s read | of peak | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = lambda x, fmt: (fmt.format(x) if x is not None else "-")  # noqa: E731
         lines.append(f"| {r['context']} | {r['batch']} | {r['budget']:.3f} | {r['bytes_ratio']:.3f} | {r['kept']:.3f} | "
                      f"{r['trizone_us']:.1f} | {r['sdpa_full_us']:.1f} | {r['speedup_vs_full']:.2f} | "
                      f"{f(r['trizone_graph_us'], '{:.1f}')} | {f(r['sdpa_full_graph_us'], '{:.1f}')} | "
-                     f"{f(r['speedup_graph'], '{:.2f}')} | {r['rope_us']:.1f} | "
+                     f"{f(r['speedup_graph'], '{:.2f}')} | {f(r['flash_full_us'], '{:.1f}')} | "
+                     f"{f(r['flash_full_bw_GBps'], '{:.0f}')} | {r['speedup_vs_best_full']:.2f} | {r['rope_us']:.1f} | "
                      f"{f(r['deq_sdpa_us'], '{:.1f}')} | "
                      f"{f(r['speedup_vs_deq'], '{:.2f}')} | {r['bw_GBps']:.0f} | "
                      f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")
