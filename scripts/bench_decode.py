@@ -110,12 +110,12 @@ def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, d
     return layer
 
 
-def calibrated_layer(B, T, budget, dev):
+def calibrated_layer(B, T, budget, dev, dtype=torch.float16):
     """Pack at a first-guess kept fraction, then once more at the fraction that hits the budget."""
     fp16 = 2 * B * H * T * D * 2
     keep = budget / 0.45
     for _ in range(2):
-        layer = synth_layer(B, T, min(1.0, keep), dev)
+        layer = synth_layer(B, T, min(1.0, keep), dev, dtype=dtype)
         ratio = (layer.nbytes - 2 * B * H * FRESH * D * 2) / fp16
         keep *= budget / ratio
     return layer, ratio

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# GPU check for the TriZone decode kernel, sized for a short GPU loan (about 5 minutes on an H100/H200; TEST_TIMEOUT / BENCH_TIMEOUT cap the two stages):
-#   1. environment facts (nvidia-smi, torch/triton versions);
-#   2. the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: same cases as the interpreter run,
-#      plus bf16 queries, which the interpreter cannot check), decode and compress side;
-#   3. the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%);
-#   4. a sweep of launch settings at one point (bench_decode.py --sweep);
-#   5. the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
-# STAGES="tests bench sweep compress" (the default) picks stages, so a short loan can split them over calls;
-# STAGES=tune runs the sweep and then the table with its fastest setting; STAGES=profile reads one decode
-# launch's hardware counters with ncu (not in the default list).
-# Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt,
-# bench.txt, bench_decode.md/json, bench_compress.txt, bench_compress_kernels.md/json. Exit status: non-zero if the tests or the benchmark failed.
+# GPU check of the decode kernels, sized for one short GPU loan (under 8 minutes on an H100/H200; each stage
+# has its own timeout):
+#   1. environment facts (nvidia-smi, torch/triton versions, the commit);
+#   2. tests: the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: the interpreter's cases plus bf16
+#      queries), TriZone decode, the full-cache flash-decoding anchor and the compress side;
+#   3. bench: the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%) with the anchor at
+#      its fastest setting beside SDPA, every ratio against the faster of the two;
+#   4. generate: end-to-end ms per token of a Llama-3.1-8B-shaped model (random bf16 weights) at 32k/128k,
+#      batch 1/8, full cache vs rdkv at 10%/25% (scripts/bench_generate.py);
+#   5. compress: the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
+# STAGES="tests bench generate compress" (the default) picks stages. Not in the default list: sweep (launch
+# settings at one point, bench_decode.py --sweep), tune (the sweep, then the table with its fastest setting),
+# profile (one decode launch's hardware counters with ncu).
+# Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt, bench.txt,
+# bench_decode.md/json, bench_generate.md/json, bench_compress_kernels.md/json. Exit status: non-zero if a
+# stage failed.
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh     # a python whose torch sees the GPU
@@ -55,7 +59,7 @@ fi
 cat "$OUT/env.txt"
 
 status=0
-STAGES=${STAGES:-tests bench sweep compress}
+STAGES=${STAGES:-tests bench generate compress}
 stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 
 if stage tests; then
@@ -64,7 +68,8 @@ if stage tests; then
     # compiling the kernel variants dominates: spread the tests over processes when pytest-xdist is there
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
     # shellcheck disable=SC2086
-    RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
+    RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-180}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py \
+        tests/test_kernel_flash_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
 fi
@@ -73,9 +78,17 @@ if stage bench; then
     echo "== decode benchmark =="
     t0=$(date +%s)
     # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT:-360}" "$PY" scripts/bench_decode.py --device cuda --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
+    timeout "${BENCH_TIMEOUT:-180}" "$PY" scripts/bench_decode.py --device cuda --no-deq --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "benchmark took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/bench.txt"
+fi
+
+if stage generate; then
+    echo "== end-to-end decode, Llama-3.1-8B shape =="
+    t0=$(date +%s)
+    timeout "${GENERATE_TIMEOUT:-120}" "$PY" scripts/bench_generate.py --device cuda --out "$OUT" ${GENERATE_ARGS:-} 2>&1 | tee "$OUT/generate.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    echo "end-to-end took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/generate.txt"
 fi
 
 if stage sweep; then
@@ -103,7 +116,7 @@ fi
 
 if stage compress; then
     echo "== compress-side kernels vs torch =="
-    timeout "${COMPRESS_TIMEOUT:-120}" "$PY" scripts/bench_compress_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_compress.txt"
+    timeout "${COMPRESS_TIMEOUT:-60}" "$PY" scripts/bench_compress_kernels.py --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench_compress.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

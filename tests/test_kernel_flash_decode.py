@@ -107,3 +107,30 @@ def test_bad_inputs_raise(case):
         q = q.expand(-1, -1, 51, -1)
     with pytest.raises(RDKVError):
         fd.flash_decode(q, k, v, 0.125, **kw)
+
+
+def test_end_to_end_decode_through_the_anchor_equals_sdpa():
+    """scripts/bench_generate.py's full-cache paths on its tiny model (Llama-3.1-8B attention shape): greedy
+    steps through the anchor's attention function give SDPA's logits (fp32 model: summation order only)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_generate as bg
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**bg.TINY)
+    model = LlamaForCausalLM(cfg).eval().to(DEVICE)
+    bg.register_anchor()
+    logits = {}
+    for impl in ("sdpa", bg.ANCHOR):
+        torch.manual_seed(1)
+        cache = bg.full_cache(cfg, 2, 100, 2, torch.device(DEVICE), torch.float32)
+        model.set_attn_implementation(impl)
+        tok = torch.tensor([[3], [7]], device=DEVICE)
+        with torch.no_grad():
+            out = [model(tok, past_key_values=cache, position_ids=torch.full((2, 1), 100 + i, device=DEVICE)).logits
+                   for i in range(2)]
+        assert cache.get_seq_length() == 102
+        logits[impl] = torch.cat(out, 1)
+    torch.testing.assert_close(logits[bg.ANCHOR], logits["sdpa"], atol=1e-4, rtol=1e-4)
