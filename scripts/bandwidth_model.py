@@ -17,7 +17,8 @@ For each kernel (the TriZone kernel at its default launch settings, and the full
    program's loads in flight are those of one *phase*: loads with no dependence on each other. The anchor's
    pipelined loop keeps ``num_stages - 1`` tiles of K and V in flight; the TriZone tile loop walks its K
    channel blocks one after another (each block's address comes from a table load, then its codes feed a
-   dot), then loads the V tile, so a phase is about one tile's bytes / (K blocks + 1). Achievable bandwidth =
+   dot), then loads the V tile, so a phase is about one tile's bytes / (K blocks + 1), and with
+   ``num_stages`` > 1 the K-block loops are software-pipelined (cp.async), ``num_stages - 1`` blocks ahead. Achievable bandwidth =
    min(ceiling, SMs x in-flight bytes per SM / latency), with the H200's 132 SMs, ``LATENCY_NS`` loaded DRAM
    latency (an assumption, stated in the output) and the copy bandwidth measured on the H200 as ceiling.
 
@@ -44,6 +45,8 @@ COPY_GBPS = 4104.0  # device-to-device copy measured on the H200 (docs/results/g
 NOMINAL_GBPS = 4800.0
 LATENCY_NS = 600.0  # loaded HBM latency assumed for Little's law
 SMEM_PER_SM = 228 * 1024
+# TriZone launch settings modelled: the default, and pipelined K-block loops (cp.async) at 4 warps
+TRIZONE_SETTINGS = [dict(), dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=4)]
 
 
 class Recorder:
@@ -118,29 +121,34 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
 
     layer, ratio = bd.calibrated_layer(B, T, budget, torch.device("cpu"))
     q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
-    attn, merge = Recorder(kmod._trizone_attn), Recorder(kmod._lse_merge)
-    real = kmod._trizone_attn, kmod._lse_merge
-    kmod._trizone_attn, kmod._lse_merge = attn, merge
-    try:
-        kmod.trizone_decode(q, layer, bd.D ** -0.5)
-    finally:
-        kmod._trizone_attn, kmod._lse_merge = real
-    (grid, args, kwargs), = attn.calls
-    warps = kwargs["num_warps"]
-    kernel = compile_as_launched(real[0], args, kwargs)
-    tiles = -(-layer.kept // kwargs["BLOCK_N"]).sum().item()  # tile-loop iterations over all streams (~, per class)
-    tile_bytes = layer.nbytes / tiles
-    k_blocks = bd.D // layer.spec.k_block
-    phase = tile_bytes / (k_blocks + 1)
-    today = model_row(f"TriZone, batch {B}, {T // 1024}k, {budget:.0%} (bytes {ratio:.3f})", kernel, warps, phase,
-                      f"{tile_bytes / 1024:.1f} KB per {kwargs['BLOCK_N']}-token tile over {k_blocks} K blocks + V: "
-                      f"{phase:.0f} B per phase")
-    # the page layout of docs/kernels.md: the same bytes, a tile's loads independent (one phase), same occupancy
-    paged = dict(today, name="page layout (design: same bytes and registers, one phase per tile)", loads="-",
-                 share16=1.0, inflight=tile_bytes, per_sm=today["progs"] * tile_bytes,
-                 gbps=min(COPY_GBPS, SMS * today["progs"] * tile_bytes / LATENCY_NS),
-                 detail="a tile's K sections, V codes and metadata loaded at once from one page base")
-    return [today, paged]
+    rows = []
+    for setting in TRIZONE_SETTINGS:
+        attn, merge = Recorder(kmod._trizone_attn), Recorder(kmod._lse_merge)
+        real = kmod._trizone_attn, kmod._lse_merge
+        kmod._trizone_attn, kmod._lse_merge = attn, merge
+        try:
+            kmod.trizone_decode(q, layer, bd.D ** -0.5, launch=kmod.LaunchConfig(**setting))
+        finally:
+            kmod._trizone_attn, kmod._lse_merge = real
+        (grid, args, kwargs), = attn.calls
+        kernel = compile_as_launched(real[0], args, kwargs)
+        tiles = -(-layer.kept // kwargs["BLOCK_N"]).sum().item()  # tile-loop iterations over all streams (~)
+        tile_bytes = layer.nbytes / tiles
+        k_blocks = bd.D // layer.spec.k_block
+        phase = tile_bytes / (k_blocks + 1)
+        ahead = max(1, kwargs["num_stages"] - 1)  # a pipelined K-block loop has this many blocks' loads in flight
+        rows.append(model_row(f"TriZone {setting or 'default'}, batch {B}, {T // 1024}k, {budget:.0%} (bytes {ratio:.3f})",
+                              kernel, kwargs["num_warps"], phase * ahead,
+                              f"{tile_bytes / 1024:.1f} KB per {kwargs['BLOCK_N']}-token tile over {k_blocks} K blocks "
+                              f"+ V: {phase:.0f} B per phase x {ahead} in flight"))
+    # the page layout of docs/kernels.md: the same bytes, a tile's loads independent (one phase), the default's
+    # occupancy
+    today = rows[0]
+    rows.append(dict(today, name="page layout (design: default's bytes and registers, one phase per tile)", loads="-",
+                     share16=1.0, inflight=tile_bytes, per_sm=today["progs"] * tile_bytes,
+                     gbps=min(COPY_GBPS, SMS * today["progs"] * tile_bytes / LATENCY_NS),
+                     detail="a tile's K sections, V codes and metadata loaded at once from one page base"))
+    return rows
 
 
 def anchor_rows(B: int, T: int) -> list[dict]:

@@ -174,6 +174,8 @@ def peak_bandwidth(dev: torch.device) -> tuple[str, float | None, float | None]:
 SWEEP = [dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=8, maxnreg=128), dict(block_n=128, num_warps=4),
          dict(block_n=64, num_warps=4, maxnreg=128), dict(block_n=128, num_warps=4, maxnreg=128),
          dict(block_n=256, num_warps=4), dict(block_n=32, num_warps=4), dict(block_n=64, num_warps=8, num_stages=2),
+         dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
+         dict(block_n=64, num_warps=4, num_stages=4),
          dict(block_n=64, num_warps=4, num_stages=3, maxnreg=128)]
 
 
