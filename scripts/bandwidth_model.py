@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import bench_decode as bd  # noqa: E402
 from common import save_outputs  # noqa: E402
-from compile_check import resource_usage  # noqa: E402
+from compile_check import compile_as_launched, recorded, resource_usage  # noqa: E402
 
 SMS = 132  # H200 (and H100 SXM) streaming multiprocessors
 COPY_GBPS = 4104.0  # device-to-device copy measured on the H200 (docs/results/gpu/bench_decode_h200_v1.md)
@@ -47,31 +47,6 @@ LATENCY_NS = 600.0  # loaded HBM latency assumed for Little's law
 SMEM_PER_SM = 228 * 1024
 # TriZone launch settings modelled: the default, and pipelined K-block loops (cp.async) at 4 warps
 TRIZONE_SETTINGS = [dict(), dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=4)]
-
-
-class Recorder:
-    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the call, launches nothing."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
-
-
-def compile_as_launched(fn, args, kwargs, arch: int = 90):
-    """Compile ``fn`` for sm_``arch`` with the specialisation Triton's launcher derives from these arguments."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, spec, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def loop_loads(ptx: str) -> Counter:
@@ -123,15 +98,10 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
     q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
     rows = []
     for setting in TRIZONE_SETTINGS:
-        attn, merge = Recorder(kmod._trizone_attn), Recorder(kmod._lse_merge)
-        real = kmod._trizone_attn, kmod._lse_merge
-        kmod._trizone_attn, kmod._lse_merge = attn, merge
-        try:
-            kmod.trizone_decode(q, layer, bd.D ** -0.5, launch=kmod.LaunchConfig(**setting))
-        finally:
-            kmod._trizone_attn, kmod._lse_merge = real
-        (grid, args, kwargs), = attn.calls
-        kernel = compile_as_launched(real[0], args, kwargs)
+        calls = recorded(kmod, ("_trizone_attn", "_lse_merge"),
+                         lambda: kmod.trizone_decode(q, layer, bd.D ** -0.5, launch=kmod.LaunchConfig(**setting)))
+        grid, args, kwargs = calls["_trizone_attn"][0]
+        kernel = compile_as_launched(kmod._trizone_attn, args, kwargs, 90)
         tiles = -(-layer.kept // kwargs["BLOCK_N"]).sum().item()  # tile-loop iterations over all streams (~)
         tile_bytes = layer.nbytes / tiles
         k_blocks = bd.D // layer.spec.k_block
@@ -158,15 +128,9 @@ def anchor_rows(B: int, T: int) -> list[dict]:
     k = torch.empty(B, bd.H, T, bd.D, dtype=torch.float16)
     rows = []
     for setting in bd.ANCHOR_SETTINGS:
-        rec, merge = Recorder(fd._flash_decode), Recorder(fd._lse_merge)
-        real = fd._flash_decode, fd._lse_merge
-        fd._flash_decode, fd._lse_merge = rec, merge
-        try:
-            fd.flash_decode(q, k, k, bd.D ** -0.5, **setting)
-        finally:
-            fd._flash_decode, fd._lse_merge = real
-        (grid, args, kwargs), = rec.calls
-        kernel = compile_as_launched(real[0], args, kwargs)
+        calls = recorded(fd, ("_flash_decode", "_lse_merge"), lambda: fd.flash_decode(q, k, k, bd.D ** -0.5, **setting))
+        grid, args, kwargs = calls["_flash_decode"][0]
+        kernel = compile_as_launched(fd._flash_decode, args, kwargs, 90)
         tile = 2 * setting["block_n"] * bd.D * 2
         stages = setting["num_stages"]
         rows.append(model_row(f"anchor {setting}", kernel, setting["num_warps"], tile * max(1, stages - 1),

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Compile every variant of the Triton kernels (TriZone decode; compress side: quantize + pack, token
+"""Compile every variant of the Triton kernels (TriZone decode, its merge, the full-cache anchor; compress side: quantize + pack, token
 weights) for sm_90 and sm_80 without a GPU.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline down to
-a cubin with the ptxas that ships in the triton wheel (triton/backends/nvidia/bin/ptxas; no CUDA driver
+a cubin (decode kernels are compiled as launched: the launcher runs on a small CPU layer with the kernels
+replaced by recorders, and Triton's own binder turns the recorded arguments into the specialisation a GPU
+launch gets) with the ptxas that ships in the triton wheel (triton/backends/nvidia/bin/ptxas; no CUDA driver
 or GPU needed). The script then reads register count, spill bytes and local stack from that cubin
 (``ptxas -v`` on the generated PTX, ``cuobjdump --dump-resource-usage`` as a fallback) and the shared
 memory from the kernel metadata, prints a table and exits non-zero if any variant spills registers or
@@ -40,7 +42,10 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, vg=(64, 32, 32)))
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, rope=True))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
+        out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
         return out
+    for D, dtype in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32")):  # the full-cache anchor
+        out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
     for D, (GL, L) in itertools.product((64, 128, 256), ((4, 1), (64, 8))):
         out.append(dict(D=D, dtype="fp16", GL=GL, L=L, flags=(False, False, False), kb=16, kernel="merge"))
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32"), ((4, 1), (24, 3), (64, 8))):
@@ -54,34 +59,72 @@ def variants(quick: bool) -> list[dict]:
     return out
 
 
-def signature(fn, dtype: str, dt16: str) -> dict[str, str]:
-    u8 = {"k2c", "k4c", "k8c", "v2c", "v4c", "v8c", "perm_ptr", "mask_ptr"}
-    i64 = {"tok0_ptr", "vbase_ptr", "krow_ptr", "kgrp_ptr"}
-    i32p = {"vcls_ptr", "kord_ptr", "kcls_ptr", "wi_s_ptr", "wi_lo_ptr"}
-    f16 = {"k0m", "k2s", "k2z", "k4s", "k4z", "k8s", "k8z", "v2s", "v2z", "v4s", "v4z", "v8s", "v8z"}
-    sig = {}
-    for n in fn.arg_names:
-        if n in u8:
-            sig[n] = "*u8"
-        elif n in i64:
-            sig[n] = "*i64"
-        elif n in i32p:
-            sig[n] = "*i32"
-        elif n == "pos_ptr":
-            sig[n] = "*i32"
-        elif n in f16:
-            sig[n] = "*fp16"
-        elif n in ("k16", "v16", "kc_ptr", "vc_ptr"):
-            sig[n] = PTR_DTYPES[dt16]
-        elif n == "q_ptr":
-            sig[n] = PTR_DTYPES[dtype]
-        elif n in ("out_ptr", "lse_ptr", "rope_ptr"):
-            sig[n] = "*fp32"
-        elif n in ("scale2", "softcap"):
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    return sig
+class Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the call, launches nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def recorded(module, names: tuple[str, ...], call) -> dict:
+    """Run ``call()`` with the kernels ``names`` of ``module`` replaced by recorders: name -> [(grid, args, kwargs)]."""
+    real = {n: getattr(module, n) for n in names}
+    recs = {n: Recorder() for n in names}
+    for n in names:
+        setattr(module, n, recs[n])
+    try:
+        call()
+    finally:
+        for n, fn in real.items():
+            setattr(module, n, fn)
+    return {n: recs[n].calls for n in names}
+
+
+def compile_as_launched(fn, args, kwargs, arch: int):
+    """Compile ``fn`` for sm_``arch`` with the specialisation Triton's launcher derives from these arguments
+    (16-byte-aligned pointers, ints divisible by 16, ints equal to 1 as constants): the code a GPU would run."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def decode_call(v: dict):
+    """A TriZone decode call of variant ``v`` on CPU tensors (a small random layer with every V and K width)."""
+    import torch
+
+    from rdkv.kernels import trizone_decode as m
+    from rdkv.trizone import PackSpec, pack_layer
+
+    D, GL, L = v["D"], v["GL"], v["L"]
+    window, mask, softcap = v["flags"]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
+    B, H, T = 2, 2, 300
+    g = torch.Generator().manual_seed(0)
+    spec = PackSpec(v_group=v.get("vg", 32), k_group=128, k_block=v["kb"])
+    widths = torch.tensor([0, 2, 4, 8, 16])
+    vw = widths[torch.randint(0, 5, (B, H, T), generator=g)]
+    kb = widths[torch.randint(0, 5, (B, H, D // v["kb"]), generator=g)].sort(-1).values
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
+    k, val = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    layer = pack_layer(k, val, 0, vw, kb, perm, spec, torch.bfloat16 if v["dtype"] == "bf16" else torch.float16,
+                       64 if window else None, T)
+    layer.update(torch.randn(B, H, L + 2, D, generator=g), torch.randn(B, H, L + 2, D, generator=g))
+    if v.get("rope"):
+        layer.t["rope"] = torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)])
+    q = torch.randn(B, H * (GL // L), L, D, generator=g).to(dtype)
+    bool_mask = torch.ones(B, 1, L, layer.get_seq_length(), dtype=torch.bool) if mask else None
+    return lambda: m.trizone_decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)
 
 
 def resource_usage(kernel, arch: int) -> dict:
@@ -119,49 +162,34 @@ def resource_usage(kernel, arch: int) -> dict:
                 spill_ld=int(spill.group(2)) if spill else 0, stack=int(stack.group(1)) if stack else 0)
 
 
-def compile_one(v: dict, arch: int) -> dict:
+def flash_call(v: dict):
+    """A full-cache anchor call of variant ``v`` at its default launch settings (a 4k-token cache)."""
     import torch
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    from rdkv.kernels import lse_merge
+    from rdkv.kernels.flash_decode import flash_decode
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
+    q = torch.zeros(1, 8 * (v["GL"] // v["L"]), v["L"], v["D"], dtype=dtype)
+    k = torch.zeros(1, 8, 4096, v["D"], dtype=dtype)
+    return lambda: flash_decode(q, k, k, v["D"] ** -0.5)
+
+
+def compile_one(v: dict, arch: int) -> dict:
+    """Compile the attention, merge or anchor kernel of a decode variant exactly as its launch would."""
+    from rdkv.kernels import flash_decode as fd
     from rdkv.kernels import trizone_decode as m
 
-    D, GL = v["D"], v["GL"]
-    window, mask, softcap = v["flags"]
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[v["dtype"]]
-    block_m = m.block_m_for(GL, dtype)
-    cfg = m.launch_config(D, block_m, dtype, v.get("rope", False))
-    if v.get("kernel") == "merge":
-        fn = lse_merge._lse_merge
-        consts = dict(D=D, BLOCK_D=min(D, lse_merge.MERGE_BLOCK_D), BLOCK_M=block_m)
-        sig = {n: "constexpr" if n in consts else ("*fp32" if n in ("part_ptr", "lse_ptr") else "*i32" if n.endswith("_ptr")
-                                                   and n != "out_ptr" else PTR_DTYPES[v["dtype"]] if n == "out_ptr" else "i32")
-               for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
-        t0 = time.time()
-        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=lse_merge.MERGE_WARPS, num_stages=1))
-        return dict(v, arch=arch, block_m=block_m, block_n=0, warps=lse_merge.MERGE_WARPS, smem=k.metadata.shared, secs=time.time() - t0,
-                    **resource_usage(k, arch))
-    dot = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[v["dtype"]]
-    consts = dict(D=D, D_PAD=m._pow2(D), KB=v["kb"], NB=D // v["kb"], **dict(zip(("VG2", "VG4", "VG8"), v.get("vg", (32, 32, 32)))), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=dot,
-                  PREC="ieee" if v["dtype"] == "fp32" else "tf32", HAS_WINDOW=window, HAS_MASK=mask, SOFTCAP=softcap,
-                  ROPE=v.get("rope", False))
-    dt16 = "bf16" if v["dtype"] == "bf16" else "fp16"
-    fn = m._trizone_attn
-    sig = signature(fn, v["dtype"], dt16)
-    for k in consts:
-        sig[k] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): c for k, c in consts.items()})
+    if v.get("kernel") == "flash":
+        m, name = fd, "_flash_decode"
+        calls = recorded(fd, (name, "_lse_merge"), flash_call(v))
+    else:
+        name = "_lse_merge" if v.get("kernel") == "merge" else "_trizone_attn"
+        calls = recorded(m, ("_trizone_attn", "_lse_merge"), decode_call(v))
+    grid, args, kwargs = calls[name][0]
     t0 = time.time()
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-                                                                             num_stages=cfg.num_stages))
-    secs = time.time() - t0
-    ru = resource_usage(k, arch)
-    return dict(v, arch=arch, block_m=block_m, block_n=cfg.block_n, warps=cfg.num_warps, smem=k.metadata.shared,
-                secs=secs, **ru)
+    k = compile_as_launched(getattr(m, name), args, kwargs, arch)
+    return dict(v, arch=arch, block_m=kwargs["BLOCK_M"], block_n=kwargs.get("BLOCK_N", 0), warps=kwargs["num_warps"],
+                smem=k.metadata.shared, secs=time.time() - t0, **resource_usage(k, arch))
 
 
 # --- compress-side kernels: kernels/quantize_pack.py, kernels/token_weights.py ------------------------
@@ -276,7 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", help="comma-separated filters key=value on variants, e.g. dtype=fp32,D=256")
     ap.add_argument("--family", choices=("all", "decode", "compress"), default="all",
-                    help="decode: kernels/trizone_decode.py; compress: kernels/quantize_pack.py and token_weights.py")
+                    help="decode: kernels/trizone_decode.py, lse_merge.py and flash_decode.py; compress: kernels/quantize_pack.py and token_weights.py")
     a = ap.parse_args(argv)
     archs = a.arch or ([90] if a.quick else [90, 80])
     want = dict(kv.split("=") for kv in a.only.split(",")) if a.only else {}
@@ -297,7 +325,7 @@ def main(argv=None) -> int:
         print(head)
     for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        name = "merge" if r.get("kernel") == "merge" else "rope" if r.get("rope") else "attn"
+        name = r.get("kernel") or ("rope" if r.get("rope") else "attn")
         lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:

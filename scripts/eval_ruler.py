@@ -74,14 +74,14 @@ def run(args, model, tok, path) -> None:
             s = ruler.sample(task, tok, n, args.seed + k, args.haystack)
             for prefix, asks in prompts(tok, s, protocol, device):
                 keys = lambda m, b: [f"{task}|{n}|{k}|{protocol}|{m}|{b}|{i}" for i, _ in asks]  # noqa: E731
-                wanted = keys("full", None) + [key for m in args.methods for b in settings(split_method(m)[0], args.budgets)
-                                               for key in keys(m, b)]
-                if all(key in done for key in wanted):
+                todo = [m for m in args.methods  # a resumed case compresses only what it has not answered
+                        if any(key not in done for b in settings(split_method(m)[0], args.budgets) for key in keys(m, b))]
+                if not todo and all(key in done for key in keys("full", None)):
                     continue
                 with rdkv.record(model, all_queries=all_queries) as rec:
                     full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
                 caches = [("full", None, full, 1.0)] + [
-                    (m, b, c, c.nbytes / c.fp16_bytes) for m, b, c in compressions(rec, args.methods, args.budgets)]
+                    (m, b, c, c.nbytes / c.fp16_bytes) for m, b, c in compressions(rec, todo, args.budgets)]
                 for m, b, cache, ratio in caches:
                     for (i, ids), key in zip(asks, keys(m, b)):
                         if key in done:

@@ -81,7 +81,7 @@ def test_summary_is_per_task_mean_and_share_of_the_full_cache():
 
 def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypatch):
     """SmolLM2 at 512 tokens: every method and budget answers every question once, in the file; a second run
-    finds them all done and prefills nothing."""
+    finds them all done and prefills nothing; a run after losing one method's answers compresses only that one."""
     model, tok = rdkv.models.load("smollm2-135m")
     args = argparse.Namespace(contexts=[512], tasks=["niah_single", "multi_needle"], samples=1, seed=0,
                               protocols=["agnostic", "aware"], methods=["rdkv", "snapkv", "int4"], budgets=[0.25],
@@ -98,3 +98,12 @@ def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypa
     monkeypatch.setattr(rdkv, "record", lambda *a, **k: calls.append(1) or real(*a, **k))
     eval_ruler.run(args, model, tok, path)
     assert not calls and len(path.read_text().splitlines()) == len(rows)
+    # an interrupted case (snapkv's answers of the single-needle case lost): only snapkv is compressed again
+    lost = [r for r in rows if r["method"] == "snapkv" and r["task"] == "niah_single"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r not in lost))
+    asked, real_compressions = [], eval_ruler.compressions
+    monkeypatch.setattr(eval_ruler, "compressions", lambda rec, methods, budgets: asked.append(list(methods))
+                        or real_compressions(rec, methods, budgets))
+    eval_ruler.run(args, model, tok, path)
+    again = [json.loads(line) for line in path.read_text().splitlines()]
+    assert asked == [["snapkv"]] * len(lost) and sorted(r["key"] for r in again) == sorted(r["key"] for r in rows)
