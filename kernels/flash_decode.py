@@ -97,12 +97,13 @@ def default_split(streams: int, T: int, block_n: int, device: torch.device) -> i
     return -(-split // block_n) * block_n
 
 
-def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, block_n: int = 64,
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, block_n: int | None = None,
                  num_warps: int = 4, num_stages: int = 3, split: int | None = None) -> torch.Tensor:
     """Causal grouped-query attention of q [B, Hq, L, D] (positions T-L..T-1) over the full cache k, v [B, H, T, D].
 
-    ``block_n``/``num_warps``/``num_stages``/``split`` are the launch settings (``split``: tokens per work item,
-    default :func:`default_split`). Raises :class:`rdkv.RDKVError` for shapes or dtypes it does not serve.
+    ``block_n``/``num_warps``/``num_stages``/``split`` are the launch settings (``block_n``: 64 tokens, 16 for fp32,
+    whose 64-token tiles spill at head_dim 256 (scripts/compile_check.py); ``split``: tokens per work item, default
+    :func:`default_split`). Raises :class:`rdkv.RDKVError` for shapes or dtypes it does not serve.
     """
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise RDKVError(f"flash_decode takes q [B, Hq, L, D] and k, v [B, H, T, D]; got {tuple(q.shape)}, "
@@ -117,6 +118,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: flo
         raise RDKVError(f"flash_decode supports head_dim a power of two in 16..256, got {D}")
     if not 1 <= L <= T:
         raise RDKVError(f"flash_decode needs 1 <= L <= T query positions, got L={L}, T={T}")
+    block_n = block_n or (16 if q.dtype == torch.float32 else 64)
     if block_n < 16 or block_n & (block_n - 1):
         raise RDKVError(f"block_n must be a power of two >= 16, got {block_n}")
     if q.device != k.device or v.device != k.device:
