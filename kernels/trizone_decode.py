@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -463,8 +463,8 @@ class LaunchConfig:
     split: int | None = None
 
     def check(self) -> None:
-        for name in ("block_n", "num_warps", "num_stages", "maxnreg", "split"):
-            x = getattr(self, name)
+        for f in fields(self):
+            name, x = f.name, getattr(self, f.name)
             if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
                 raise RDKVError(f"LaunchConfig.{name} must be a positive int or None, got {x!r}")
         if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):

@@ -96,20 +96,22 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
 
     layer, ratio = bd.calibrated_layer(B, T, budget, torch.device("cpu"))
     q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
+    block_n = kmod.launch_config(bd.D, kmod.block_m_for(bd.G), torch.float16).block_n  # every setting below keeps it
+    tiles = -(-layer.kept // block_n).sum().item()  # tile-loop iterations over all streams (~)
+    tile_bytes = layer.nbytes / tiles
+    k_blocks = bd.D // layer.spec.k_block
+    phase = tile_bytes / (k_blocks + 1)
     rows = []
     for setting in TRIZONE_SETTINGS:
         calls = recorded(kmod, ("_trizone_attn", "_lse_merge"),
                          lambda: kmod.trizone_decode(q, layer, bd.D ** -0.5, launch=kmod.LaunchConfig(**setting)))
         grid, args, kwargs = calls["_trizone_attn"][0]
+        assert kwargs["BLOCK_N"] == block_n
         kernel = compile_as_launched(kmod._trizone_attn, args, kwargs, 90)
-        tiles = -(-layer.kept // kwargs["BLOCK_N"]).sum().item()  # tile-loop iterations over all streams (~)
-        tile_bytes = layer.nbytes / tiles
-        k_blocks = bd.D // layer.spec.k_block
-        phase = tile_bytes / (k_blocks + 1)
         ahead = max(1, kwargs["num_stages"] - 1)  # a pipelined K-block loop has this many blocks' loads in flight
         rows.append(model_row(f"TriZone {setting or 'default'}, batch {B}, {T // 1024}k, {budget:.0%} (bytes {ratio:.3f})",
                               kernel, kwargs["num_warps"], phase * ahead,
-                              f"{tile_bytes / 1024:.1f} KB per {kwargs['BLOCK_N']}-token tile over {k_blocks} K blocks "
+                              f"{tile_bytes / 1024:.1f} KB per {block_n}-token tile over {k_blocks} K blocks "
                               f"+ V: {phase:.0f} B per phase x {ahead} in flight"))
     # the page layout of docs/kernels.md: the same bytes, a tile's loads independent (one phase), the default's
     # occupancy

@@ -28,6 +28,7 @@ captured in a CUDA graph yet.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import bench_decode as bd
 import rdkv
 from common import save_outputs
-from rdkv.trizone import TriZoneCache, TriZoneLayer
+from rdkv.trizone import TriZoneCache, fp16_bytes
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
@@ -117,19 +118,11 @@ def full_cache(cfg: LlamaConfig, B: int, T: int, steps: int, dev, dtype) -> Cach
     return Cache(layers=layers)
 
 
-def copy_layer(layer: TriZoneLayer) -> TriZoneLayer:
-    out = TriZoneLayer({n: t.clone() for n, t in layer.t.items()}, batch=layer.batch, heads=layer.heads,
-                       head_dim=layer.head_dim, start=layer.start, prefix_len=layer.prefix_len, spec=layer.spec,
-                       sliding_window=layer.sliding_window, dtype16=layer.dtype16)
-    out.c_start = layer.c_start
-    return out
-
-
 def rdkv_cache(cfg: LlamaConfig, B: int, T: int, budget: float, dev, dtype) -> tuple[TriZoneCache, float]:
     one, ratio = bd.calibrated_layer(B, T, budget, dev, torch.float16 if dtype == torch.float32 else dtype)
-    layers = [copy_layer(one) for _ in range(cfg.num_hidden_layers)]
+    layers = [copy.deepcopy(one) for _ in range(cfg.num_hidden_layers)]
     del one
-    return TriZoneCache(layers, fp16_bytes=4 * cfg.head_dim * T * B * cfg.num_key_value_heads * len(layers),
+    return TriZoneCache(layers, fp16_bytes=fp16_bytes(T, cfg.head_dim) * B * cfg.num_key_value_heads * len(layers),
                         budget=budget, method="synthetic"), ratio
 
 
@@ -195,7 +188,8 @@ def main(argv=None) -> int:
             best_full = None
             for label, impl, budget in paths:
                 row = dict(context=T, batch=B, path=label)
-                full_need = 4 * cfg.head_dim * cfg.num_key_value_heads * (T + a.steps + a.warmup) * B * cfg.num_hidden_layers
+                full_need = (fp16_bytes(T + a.steps + a.warmup, cfg.head_dim) * B * cfg.num_key_value_heads
+                             * cfg.num_hidden_layers)
                 if budget is None and free is not None and full_need > 0.9 * free:
                     row.update(status=f"does not fit: {full_need / 1e9:.1f} GB of cache + {weights / 1e9:.1f} GB weights")
                     rows.append(row)
