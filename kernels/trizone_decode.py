@@ -18,7 +18,8 @@ Inside a zone A+B program
     scale/zero of their token group, and width-0 blocks add the constant ``q . mean``. Scores are in base
     2 (q is scaled by ``scaling * log2(e)``), masked by causality / sliding window / the optional bool
     mask, and folded into an online softmax; V rows are dequantized per row (scale/zero per
-    ``v_group`` channels) and accumulated with a second ``tl.dot``. Keys packed before RoPE (a layer with
+    ``v_group`` channels), one code plane at a time, and accumulated with a ``tl.dot`` per plane (see
+    :func:`_ab_class`). Keys packed before RoPE (a layer with
     a ``rope`` table) take two dots per block instead, against the block rotated to each token's position
     (``_rope_dot``); their width-0 blocks are rotated means, so they are scored per tile, not as a constant.
 
@@ -93,15 +94,34 @@ def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
 
 
 @triton.jit
-def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
+def _dequant(code, scale, zero, DOT: tl.constexpr):
+    """``code * scale + zero`` as the dot operand: integer codes, fp16 scale and zero (broadcast to the codes).
+
+    For fp16 dots it is computed in fp16 from the code's exact fp16 image: the bits ``0x6400 | code`` are
+    1024 + code, so one OR, one subtraction and one fma per element, two elements per instruction, and no
+    conversion afterwards (the fma rounds once, as fp32 arithmetic rounded to fp16 does). Other dtypes
+    dequantize in fp32."""
+    if DOT == tl.float16:
+        x = (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return x * scale + zero
+    else:
+        return (code.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)).to(DOT)
+
+
+@triton.jit
+def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base,
               kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
+              K_GROUP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
               ROPE: tl.constexpr, kposf, rope_ptr):
     """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
 
-    Codes are dequantized first (``code * scale + zero`` in fp32), then dotted in the query dtype.
+    ``i`` [BLOCK_N] are the tile's token indices inside the stream (int32), ``t0`` / ``t_last`` its first and
+    last valid one. Codes are dequantized first (``code * scale + zero`` in fp32), then dotted in the query
+    dtype. Addresses are a scalar int64 base per block plus int32 offsets per element, and when a group
+    holds at least a tile (``K_GROUP >= BLOCK_N``) the tile spans at most two groups, whose scales and zeros
+    are loaded as two [KB] vectors and selected per token instead of gathered per element.
     ``ROPE``: the keys were packed before RoPE; each dequantized block is rotated to the tile's positions
     ``kposf`` (:func:`_rope_dot`), width-0 blocks (the channel means, ``codes_ptr``) included."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
@@ -110,13 +130,12 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
     for j in range(j_lo, j_hi):
         blk = tl.load(kord_ptr + tab_base + j)
         row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
-        rows = row0 + i.to(tl.int64)  # [BLOCK_N]
         if W == 0:  # only with ROPE: a mean's score depends on the position it is rotated to
             mean = tl.load(codes_ptr + row0 * KB + c).to(tl.float32)
             kt = tl.where(tok_ok[None, :], mean[:, None], 0.0)
             scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd, DOT, PREC)
         elif W == 16:
-            kt = tl.load(codes_ptr + rows[None, :] * KB + c[:, None], mask=tok_ok[None, :], other=0.0)
+            kt = tl.load(codes_ptr + row0 * KB + (i[None, :] * KB + c[:, None]), mask=tok_ok[None, :], other=0.0)
             if ROPE:
                 scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
                                    KB, D, sqd, DOT, PREC)
@@ -128,26 +147,28 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
             PER: tl.constexpr = 8 // W
             RB: tl.constexpr = KB * W // 8
             rb = tl.arange(0, RB)
-            byte = tl.load(codes_ptr + rows[None, :] * RB + rb[:, None], mask=tok_ok[None, :], other=0)
+            byte = tl.load(codes_ptr + row0 * RB + (i[None, :] * RB + rb[:, None]), mask=tok_ok[None, :], other=0)
             sh = tl.arange(0, PER) * W
             code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
-            grp = tl.load(kgrp_ptr + tab_base + j) + (i // K_GROUP).to(tl.int64)
-            sz = grp[None, :] * KB + c[:, None]
-            sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-            zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0).to(tl.float32)
-            kt = code.to(tl.float32) * sc + zp
-            if ROPE:
+            gbase = tl.load(kgrp_ptr + tab_base + j)  # int64 first scale/zero group of the pair
+            sz = gbase * KB + ((i // K_GROUP)[None, :] * KB + c[:, None])
+            sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0)
+            zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0)
+            if ROPE:  # rotated in fp32
+                kt = _dequant(code, sc, zp, tl.float32)
                 scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd,
                                    DOT, PREC)
             else:
+                kt = _dequant(code, sc, zp, DOT)
                 qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
-                scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
+                scores += tl.dot(qb.to(DOT), kt, input_precision=PREC)
     return scores
 
 
 @triton.jit
-def _online_step(scores, ok, m_i, l_i, acc, SOFTCAP: tl.constexpr, softcap):
-    """Fold a tile of base-2 scores into the running (max, sum, acc); returns (p, m, l, acc scaled)."""
+def _online_step(scores, ok, m_i, l_i, SOFTCAP: tl.constexpr, softcap):
+    """Fold a tile of base-2 scores into the running (max, sum); returns (p, m, l, alpha), alpha being the
+    factor that rescales what was accumulated under the old max."""
     if SOFTCAP:
         # scores are base 2: convert to natural units, cap with tanh, convert back
         x = scores / (LOG2E_C * softcap)
@@ -159,8 +180,7 @@ def _online_step(scores, ok, m_i, l_i, acc, SOFTCAP: tl.constexpr, softcap):
     p = tl.exp2(scores - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.reduce(p, 1, _add)
-    acc = acc * alpha[:, None]
-    return p, m_new, l_i, acc
+    return p, m_new, l_i, alpha
 
 
 LOG2E_C = tl.constexpr(LOG2E)
@@ -189,67 +209,112 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
               k0m, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
               vc_ptr, vs_ptr, vz_ptr, sqd, window, softcap,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
-              K_GROUP, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, BLOCK_N: tl.constexpr,
+              K_GROUP: tl.constexpr, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, BLOCK_N: tl.constexpr,
               DOT: tl.constexpr, PREC: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
               SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, scale2, ROPE: tl.constexpr, rope_ptr):
-    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens."""
+    """The tiles of one V width class ``VW`` inside [lo, hi) of a stream's kept tokens.
+
+    Packed V rows hold ``PER = 8 / VW`` codes per byte, channel ``byte * PER + k`` in bits ``k * VW``. Unpacking a
+    [BLOCK_N, RB] byte tile into [BLOCK_N, D] channels takes a register layout change (a shared-memory round
+    trip) per tile, so when a row has at least 16 bytes (a dot's minimum width) and a program holds 16 query
+    rows (at 32 the plane accumulators spill registers) each code plane k is
+    dequantized where it was loaded and accumulated by its own dot into ``a_k`` [BLOCK_M, RB]; the planes are
+    interleaved into ``acc`` once, after the loop, with ``run`` (the product of the tiles' rescaling factors)
+    applied to what ``acc`` held before."""
     a = tl.maximum(lo, c_lo)
     e = tl.minimum(hi, c_hi)
     d = tl.arange(0, D_PAD)
+    if VW == 2:
+        V_GROUP: tl.constexpr = VG2
+    elif VW == 4:
+        V_GROUP: tl.constexpr = VG4
+    else:
+        V_GROUP: tl.constexpr = VG8  # (unused at 16 bits)
+    if VW == 16:
+        PER: tl.constexpr = 1
+        PLANES: tl.constexpr = False
+    else:
+        PER: tl.constexpr = 8 // VW
+        PLANES: tl.constexpr = (D * VW // 8 >= 16) & (BLOCK_M == 16)  # 32 query rows: too many registers
+    RB: tl.constexpr = D * VW // 8
+    NG: tl.constexpr = D // V_GROUP
+    MASK: tl.constexpr = (1 << VW) - 1
+    rb = tl.arange(0, RB)
+    ng = tl.arange(0, NG)
+    if PLANES:
+        run = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        a0 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
+        if PER >= 2:
+            a1 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
+        if PER == 4:
+            a2 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
+            a3 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
     for t0 in range(a, e, BLOCK_N):
         i = t0 + tl.arange(0, BLOCK_N)
         tok_ok = i < e
+        t_last = tl.minimum(t0 + BLOCK_N, e) - 1
         kpos = tl.load(pos_ptr + tok0 + i, mask=tok_ok, other=0).to(tl.int32)
         kposf = kpos.to(tl.float32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
         if ROPE:  # without it, width-0 blocks are the constant ``bias``
-            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base, kord_ptr, krow_ptr,
                                kgrp_ptr, kcls_ptr, k0m, k0m, k0m, sqd, 0, 0, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                                ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base, kord_ptr, krow_ptr,
                            kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base, kord_ptr, krow_ptr,
                            kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base, kord_ptr, krow_ptr,
                            kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, t0, t_last, tab_base, kord_ptr, krow_ptr,
                            kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
-        p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
-        rows = vbase + i.to(tl.int64)
-        if VW == 16:
-            v = tl.load(vc_ptr + rows[:, None] * D + d[None, :], mask=tok_ok[:, None], other=0.0)
+        p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
+        if PLANES:  # accumulate per code plane; acc itself is rescaled once, after the loop
+            run = run * alpha
+            pd = p.to(DOT)
+            byte = tl.load(vc_ptr + vbase * RB + (i[:, None] * RB + rb[None, :]), mask=tok_ok[:, None], other=0)
+            sz = i[:, None] * NG + ng[None, :]
+            sc = tl.load(vs_ptr + vbase * NG + sz, mask=tok_ok[:, None], other=0.0)
+            zp = tl.load(vz_ptr + vbase * NG + sz, mask=tok_ok[:, None], other=0.0)
+            # plane k holds channels byte * PER + k, whose group is byte // (V_GROUP / PER) for every k
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NG, V_GROUP // PER]), [BLOCK_N, RB])
+            zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [BLOCK_N, NG, V_GROUP // PER]), [BLOCK_N, RB])
+            a0 = tl.dot(pd, _dequant(byte & MASK, sc, zp, DOT), a0 * alpha[:, None], input_precision=PREC)
+            if PER >= 2:
+                a1 = tl.dot(pd, _dequant((byte >> VW) & MASK, sc, zp, DOT), a1 * alpha[:, None], input_precision=PREC)
+            if PER == 4:
+                a2 = tl.dot(pd, _dequant((byte >> 4) & MASK, sc, zp, DOT), a2 * alpha[:, None], input_precision=PREC)
+                a3 = tl.dot(pd, _dequant(byte >> 6, sc, zp, DOT), a3 * alpha[:, None], input_precision=PREC)
         else:
-            # load the packed bytes once and unpack in registers: [BN, RB] -> [BN, RB, PER] -> [BN, D]
-            # (lowest code in the lowest bits, so channel = byte * PER + k); scale/zero [BN, NG]
-            # broadcast over their V_GROUP channels the same way (the group size of this width class)
-            if VW == 2:
-                V_GROUP: tl.constexpr = VG2
-            elif VW == 4:
-                V_GROUP: tl.constexpr = VG4
+            acc = acc * alpha[:, None]
+            if VW == 16:  # row of token i of the class: vbase + i (an int64 scalar base, int32 offsets)
+                v = tl.load(vc_ptr + vbase * D + (i[:, None] * D + d[None, :]), mask=tok_ok[:, None], other=0.0)
             else:
-                V_GROUP: tl.constexpr = VG8
-            PER: tl.constexpr = 8 // VW
-            RB: tl.constexpr = D * VW // 8
-            NG: tl.constexpr = D // V_GROUP
-            rb = tl.arange(0, RB)
-            byte = tl.load(vc_ptr + rows[:, None] * RB + rb[None, :], mask=tok_ok[:, None], other=0)
-            sh = tl.arange(0, PER) * VW
-            code = (byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & ((1 << VW) - 1)
-            code = tl.reshape(code, [BLOCK_N, D])
-            ng = tl.arange(0, NG)
-            sz = rows[:, None] * NG + ng[None, :]
-            sc = tl.load(vs_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            zp = tl.load(vz_ptr + sz, mask=tok_ok[:, None], other=0.0).to(tl.float32)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
-            zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
-            v = code.to(tl.float32) * sc + zp
-        acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+                # rows too short for a dot per plane: [BN, RB] -> [BN, RB, PER] -> [BN, D] in registers
+                byte = tl.load(vc_ptr + vbase * RB + (i[:, None] * RB + rb[None, :]), mask=tok_ok[:, None], other=0)
+                sh = tl.arange(0, PER) * VW
+                code = tl.reshape((byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & MASK, [BLOCK_N, D])
+                sz = i[:, None] * NG + ng[None, :]
+                sc = tl.load(vs_ptr + vbase * NG + sz, mask=tok_ok[:, None], other=0.0)
+                zp = tl.load(vz_ptr + vbase * NG + sz, mask=tok_ok[:, None], other=0.0)
+                sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
+                zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [BLOCK_N, NG, V_GROUP]), [BLOCK_N, D])
+                v = _dequant(code, sc, zp, DOT)
+            acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)  # v16 rows are already DOT or fp16
+    if PLANES:  # interleave the planes back to channel order (channel = byte * PER + k), once per class
+        if PER == 4:
+            v = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [BLOCK_M, D])
+        elif PER == 2:
+            v = tl.reshape(tl.join(a0, a1), [BLOCK_M, D])
+        else:
+            v = a0
+        acc = acc * run[:, None] + v
     return m_i, l_i, acc
 
 
@@ -265,8 +330,8 @@ def _trizone_attn(
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
     mask_ptr, smb, sml, smk, rope_ptr,
     n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
-    H, G, L, K_GROUP, SPLIT,
-    D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
+    H, G, L, SPLIT,
+    K_GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr,
     VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -342,7 +407,8 @@ def _trizone_attn(
             scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
             kpos = c_start + j
             ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
-            p, m_i, l_i, acc = _online_step(scores, ok, m_i, l_i, acc, SOFTCAP, softcap)
+            p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
+            acc = acc * alpha[:, None]
             v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
             acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
 
@@ -613,8 +679,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             kc, *kc.stride(), vc, *vc.stride(), *mask_args, get("rope", torch.float32),
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
-            H, G, L, spec.k_group, tab.split,
-            D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block,
+            H, G, L, tab.split,
+            K_GROUP=spec.k_group, D=D, D_PAD=_pow2(D), KB=spec.k_block, NB=D // spec.k_block,
             VG2=spec.v_group_of(2), VG4=spec.v_group_of(4), VG8=spec.v_group_of(8), BLOCK_M=block_m, BLOCK_N=cfg.block_n, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,

@@ -21,6 +21,12 @@ For each kernel (the TriZone kernel at its default launch settings, and the full
    ``num_stages`` > 1 the K-block loops are software-pipelined (cp.async), ``num_stages - 1`` blocks ahead. Achievable bandwidth =
    min(ceiling, SMs x in-flight bytes per SM / latency), with the H200's 132 SMs, ``LATENCY_NS`` loaded DRAM
    latency (an assumption, stated in the output) and the copy bandwidth measured on the H200 as ceiling.
+5. **Issue rate.** Hiding latency is not enough if the SMs cannot issue the instructions that many bytes
+   take. From the SASS (``nvdisasm`` on the cubin) the script counts the instructions of every loop body and
+   weights each inner loop by how often a tile runs it: the TriZone tile loop of each V class runs its K-block
+   loop of width w once per block of that width, which the layer's ``k_bits`` give. Warp-instructions per
+   step = sum over tiles x warps; the issue ceiling = bytes / (warp-instructions / (SMs x 4 schedulers x
+   ``CLOCK_GHZ``)). Predicted bandwidth = min(copy ceiling, Little's law, issue ceiling).
 
     python scripts/bandwidth_model.py              # TriZone at batch 8, 32k, 10% + the anchor settings
     python scripts/bandwidth_model.py --out docs/results   # also write bandwidth_model.md
@@ -30,7 +36,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels
@@ -44,6 +52,7 @@ SMS = 132  # H200 (and H100 SXM) streaming multiprocessors
 COPY_GBPS = 4104.0  # device-to-device copy measured on the H200 (docs/results/gpu/bench_decode_h200_v1.md)
 NOMINAL_GBPS = 4800.0
 LATENCY_NS = 600.0  # loaded HBM latency assumed for Little's law
+CLOCK_GHZ = 1.98  # H200 SXM boost clock; one warp-instruction per scheduler per cycle, four schedulers per SM
 SMEM_PER_SM = 228 * 1024
 # TriZone launch settings modelled: the default, and pipelined K-block loops (cp.async) at 4 warps
 TRIZONE_SETTINGS = [dict(), dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=4)]
@@ -70,6 +79,44 @@ def loop_loads(ptx: str) -> Counter:
     return out
 
 
+def sass_loops(kernel) -> tuple[int, list[tuple[int, int]]]:
+    """(instructions, loops) of the kernel's SASS: each loop an (first, last) instruction index pair, closed
+    by a backward branch, sorted by position (an outer loop before the loops it contains). The branch to
+    itself that ends every kernel after ``EXIT`` is not a loop."""
+    from triton.backends.nvidia import compiler as nv
+
+    nvdisasm = os.path.join(os.path.dirname(nv.get_ptxas(90).path), "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    n, labels, branches = 0, {}, []
+    for ln in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", ln):
+            labels[m.group(1)] = n
+        elif re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", ln):
+            if m := re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", ln):
+                branches.append((m.group(1), n))
+            n += 1
+    return n, sorted((labels[t], i) for t, i in branches if labels.get(t, n) < i)
+
+
+def loop_bodies(kernel) -> list[tuple[int, list[int]]]:
+    """Per outermost loop that contains loops: (its instructions outside them, each contained loop's size)."""
+    _, loops = sass_loops(kernel)
+    out = []
+    for a, b in loops:
+        inner = [(c, e) for c, e in loops if a < c and e < b]
+        if inner and not any(c < a and b < e for c, e in loops):
+            out.append((b - a + 1 - sum(e - c + 1 for c, e in inner), [e - c + 1 for c, e in inner]))
+    return out
+
+
+def issue_gbps(nbytes: float, warp_instructions: float) -> float:
+    return nbytes / (warp_instructions / (SMS * 4 * CLOCK_GHZ))  # bytes per ns = GB/s
+
+
 def programs_per_sm(regs: int, warps: int, smem: int) -> int:
     per_warp = -(-regs * 32 // 256) * 256
     by_regs = 65536 // (per_warp * warps)
@@ -77,18 +124,20 @@ def programs_per_sm(regs: int, warps: int, smem: int) -> int:
     return max(0, min(by_regs, by_smem, 64 // warps, 32))
 
 
-def model_row(name: str, kernel, warps: int, inflight: float, detail: str) -> dict:
+def model_row(name: str, kernel, warps: int, inflight: float, detail: str, issue: tuple[float, float]) -> dict:
+    """``issue``: (SASS instructions per thread per tile, issue ceiling in GB/s)."""
     ru = resource_usage(kernel, 90)
     loads = loop_loads(kernel.asm["ptx"])
     n = sum(loads.values())
     share16 = loads.get(16, 0) / n if n else 0.0
     progs = programs_per_sm(ru["regs"], warps, kernel.metadata.shared)
     per_sm = progs * inflight
-    gbps = min(COPY_GBPS, SMS * per_sm / LATENCY_NS)  # bytes / ns = GB/s
+    little = SMS * per_sm / LATENCY_NS  # bytes / ns = GB/s
+    gbps = min(COPY_GBPS, little, issue[1])
     widths = ", ".join(f"{k} B x{v}" for k, v in sorted(loads.items(), reverse=True))
     return dict(name=name, regs=ru["regs"], spill=ru["spill_st"] + ru["spill_ld"], smem=kernel.metadata.shared,
                 warps=warps, progs=progs, loads=widths, share16=share16, inflight=inflight, per_sm=per_sm,
-                gbps=gbps, detail=detail)
+                little=little, sass_tile=issue[0], issue=issue[1], gbps=gbps, detail=detail)
 
 
 def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
@@ -101,6 +150,13 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
     tile_bytes = layer.nbytes / tiles
     k_blocks = bd.D // layer.spec.k_block
     phase = tile_bytes / (k_blocks + 1)
+    counts = layer.t["v_counts"].long()  # [S, 4] tokens per V class
+    class_tiles = (-(-counts // block_n)).sum(0).double()  # tile-loop iterations per V class
+    k_bits = layer.t["k_bits"].long()
+    widths = (2, 4, 8, 16)  # the K-block loops a tile runs, in source order (width 0 is a constant without RoPE)
+    blocks = torch.stack([(k_bits == w).sum(1) for w in widths], 1).double()  # [S, 4] blocks per width
+    # sum over streams and classes of tiles x blocks of each width: the weight of each inner loop
+    runs = (-(-counts // block_n)).double().T @ blocks  # [V class, K width]
     rows = []
     for setting in TRIZONE_SETTINGS:
         calls = recorded(kmod, ("_trizone_attn", "_lse_merge"),
@@ -109,16 +165,24 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
         assert kwargs["BLOCK_N"] == block_n
         kernel = compile_as_launched(kmod._trizone_attn, args, kwargs, 90)
         ahead = max(1, kwargs["num_stages"] - 1)  # a pipelined K-block loop has this many blocks' loads in flight
+        bodies = loop_bodies(kernel)
+        if len(bodies) != 4 or any(len(inner) != len(widths) for _, inner in bodies):
+            raise RuntimeError(f"expected 4 tile loops of {len(widths)} K-block loops each in the SASS, found {bodies}")
+        per_thread = sum(float(class_tiles[c]) * own + float(runs[c] @ torch.tensor(inner, dtype=torch.float64))
+                         for c, (own, inner) in enumerate(bodies))
+        warp_instr = per_thread * kwargs["num_warps"]
+        issue = (per_thread / float(class_tiles.sum()), issue_gbps(layer.nbytes, warp_instr))
         rows.append(model_row(f"TriZone {setting or 'default'}, batch {B}, {T // 1024}k, {budget:.0%} (bytes {ratio:.3f})",
                               kernel, kwargs["num_warps"], phase * ahead,
                               f"{tile_bytes / 1024:.1f} KB per {block_n}-token tile over {k_blocks} K blocks "
-                              f"+ V: {phase:.0f} B per phase x {ahead} in flight"))
+                              f"+ V: {phase:.0f} B per phase x {ahead} in flight", issue))
     # the page layout of docs/kernels.md: the same bytes, a tile's loads independent (one phase), the default's
     # occupancy
     today = rows[0]
-    rows.append(dict(today, name="page layout (design: default's bytes and registers, one phase per tile)", loads="-",
-                     share16=1.0, inflight=tile_bytes, per_sm=today["progs"] * tile_bytes,
-                     gbps=min(COPY_GBPS, SMS * today["progs"] * tile_bytes / LATENCY_NS),
+    little = SMS * today["progs"] * tile_bytes / LATENCY_NS
+    rows.append(dict(today, name="page layout (design: default's bytes, registers and instructions, one phase per tile)",
+                     loads="-", share16=1.0, inflight=tile_bytes, per_sm=today["progs"] * tile_bytes, little=little,
+                     gbps=min(COPY_GBPS, little, today["issue"]),
                      detail="a tile's K sections, V codes and metadata loaded at once from one page base"))
     return rows
 
@@ -135,8 +199,12 @@ def anchor_rows(B: int, T: int) -> list[dict]:
         kernel = compile_as_launched(fd._flash_decode, args, kwargs, 90)
         tile = 2 * setting["block_n"] * bd.D * 2
         stages = setting["num_stages"]
+        _, loops = sass_loops(kernel)
+        body = max(e - a + 1 for a, e in loops)  # the tile loop (the merge kernel is compiled apart)
+        tiles = B * bd.H * -(-T // setting["block_n"])
+        issue = (float(body), issue_gbps(2 * B * bd.H * T * bd.D * 2, tiles * body * setting["num_warps"]))
         rows.append(model_row(f"anchor {setting}", kernel, setting["num_warps"], tile * max(1, stages - 1),
-                              f"{tile // 1024} KB K+V tile x {max(1, stages - 1)} ahead"))
+                              f"{tile // 1024} KB K+V tile x {max(1, stages - 1)} ahead", issue))
     return rows
 
 
@@ -152,12 +220,16 @@ def main(argv=None) -> int:
     rows = trizone_rows(a.batch, a.context, a.budget) + anchor_rows(a.batch, a.context)
     lines = [f"# Bandwidth model (sm_90, {SMS} SMs, loaded latency {LATENCY_NS:.0f} ns assumed, ceiling = measured "
              f"copy {COPY_GBPS:.0f} GB/s of nominal {NOMINAL_GBPS:.0f})", "",
+             f"Issue ceiling at {CLOCK_GHZ} GHz, 4 warp-instructions per cycle per SM; predicted = min(copy, Little, issue).",
+             "",
              "| kernel | regs | spill B | smem KB | warps | programs/SM | loads in loops (bytes/thread x count) | "
-             "16-B share | in flight / program | in flight / SM | predicted GB/s | of nominal | phase |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "16-B share | in flight / program | in flight / SM | Little GB/s | SASS / tile / thread | issue GB/s | "
+             "predicted GB/s | of nominal | phase |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['regs']} | {r['spill']} | {r['smem'] / 1024:.0f} | {r['warps']} | {r['progs']} | "
                      f"{r['loads']} | {r['share16']:.0%} | {r['inflight'] / 1024:.1f} KB | {r['per_sm'] / 1024:.1f} KB | "
+                     f"{r['little']:.0f} | {r['sass_tile']:.0f} | {r['issue']:.0f} | "
                      f"{r['gbps']:.0f} | {r['gbps'] / NOMINAL_GBPS:.0%} | {r['detail']} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -123,6 +123,7 @@ GRID = [
     (2, 1, 800, 128, 33, 8, 3, torch.float32, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
     (1, 2, 64, 256, 130, 1, 3, torch.float16, (0, 4), (8, 16)),
     (2, 2, 1, 128, 1, 3, 1, torch.float16, (2,), (16,)),  # one kept token per stream
+    (1, 2, 300, 32, 2, 4, 1, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),  # 2-bit V rows under a dot's width
 ]
 
 
