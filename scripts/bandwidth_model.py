@@ -150,13 +150,13 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
     tile_bytes = layer.nbytes / tiles
     k_blocks = bd.D // layer.spec.k_block
     phase = tile_bytes / (k_blocks + 1)
-    counts = layer.t["v_counts"].long()  # [S, 4] tokens per V class
-    class_tiles = (-(-counts // block_n)).sum(0).double()  # tile-loop iterations per V class
+    stream_tiles = (-(-layer.t["v_counts"].long() // block_n)).double()  # [S, 4] tile-loop iterations per V class
+    class_tiles = stream_tiles.sum(0)
     k_bits = layer.t["k_bits"].long()
     widths = (2, 4, 8, 16)  # the K-block loops a tile runs, in source order (width 0 is a constant without RoPE)
     blocks = torch.stack([(k_bits == w).sum(1) for w in widths], 1).double()  # [S, 4] blocks per width
     # sum over streams and classes of tiles x blocks of each width: the weight of each inner loop
-    runs = (-(-counts // block_n)).double().T @ blocks  # [V class, K width]
+    runs = stream_tiles.T @ blocks  # [V class, K width]
     rows = []
     for setting in TRIZONE_SETTINGS:
         calls = recorded(kmod, ("_trizone_attn", "_lse_merge"),
