@@ -210,6 +210,25 @@ def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
         assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()
 
 
+def test_forward_pooling_spreads_a_weight_onto_the_tokens_after_it_only():
+    """pool_forward=3: a weight at token 5 reaches tokens 6-8 and nothing before it; with pool=3 as well, the
+    centred pool runs first (4-6), then the forward one (4-9)."""
+    from rdkv.dense import AttentionSums
+    from rdkv.methods import Weights
+
+    def pooled(**kw):
+        mass = torch.zeros(1, 2, 12)
+        mass[0, 0, 5], mass[0, 1, 0] = 2.0, 1.0
+        sums = AttentionSums(mass=mass, mass2=mass.square(), q2=torch.ones(1, 2, 4), nq=torch.ones(1))
+        return Weights(**kw).pooled(sums)
+
+    got = pooled(pool_forward=3)
+    assert got.mass[0, 0].tolist() == [0] * 5 + [2.0] * 4 + [0] * 3
+    assert got.mass[0, 1].tolist() == [1.0] * 4 + [0] * 8
+    assert torch.equal(got.mass2, got.mass.square())
+    assert pooled(pool=3, pool_forward=3).mass[0, 0].tolist() == [0] * 4 + [2.0] * 6 + [0] * 2
+
+
 def test_report_names_the_layers_that_hold_the_modelled_distortion(llama):
     """The report's distortion line sums the cache's per-layer parts and ranks them; baselines have none."""
     rec, _ = recorded(llama, torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(2)))

@@ -44,6 +44,7 @@ def test_bad_budgets_raise_and_change_nothing(prefilled, budget, match):
     (dict(k_block=7), "k_block=7 must divide"), (dict(k_group=0), "k_group must be positive"),
     (dict(weights="sometimes"), "weights="), (dict(scope="head"), "scope="), (dict(colour="red"), "unknown option"),
     (dict(floor=-1.0), "must be >= 0"), (dict(pool_weights=4), "positive odd"), (dict(passes=0), "passes must be"),
+    (dict(pool_forward=-2), "pool_forward must be"),
 ])
 def test_bad_options_raise(prefilled, kwargs, match):
     rec, _, _ = prefilled

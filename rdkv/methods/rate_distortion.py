@@ -47,7 +47,9 @@ class Weights:
     sliding-window layers, when set); ``"all"`` uses every prefill query (the paper's form; record with
     ``all_queries=True``). ``visible`` corrects the window's last tokens for the queries that cannot see
     them (:func:`rdkv.weights.per_visible`, capped at ``visible_cap``). ``pool`` max-pools the token weights
-    (SnapKV-style, odd; 1 = none). ``q_floor`` replaces that fraction of each K channel's query weight by
+    (SnapKV-style, odd; 1 = none); ``pool_forward`` lets a token's weight also reach the ``pool_forward``
+    tokens after it, one-sided: a question attends to a needle's start, and what follows is read while
+    the answer is written. ``q_floor`` replaces that fraction of each K channel's query weight by
     the channel mean. ``horizon``: on sliding-window layers, a token is weighed by the share of the next
     ``horizon`` decode queries that can still see it (:func:`rdkv.weights.lifetime`).
     """
@@ -58,6 +60,7 @@ class Weights:
     visible: float = 0.0
     visible_cap: float | None = None
     pool: int = 1
+    pool_forward: int = 0
     q_floor: float = 0.0
     horizon: int | None = None
 
@@ -67,6 +70,8 @@ class Weights:
         for name in ("window", "window_sliding", "horizon"):
             _positive_int(name, getattr(self, name))
         _odd("pool_weights", self.pool)
+        if not isinstance(self.pool_forward, int) or isinstance(self.pool_forward, bool) or self.pool_forward < 0:
+            raise RDKVError(f"pool_forward must be an int >= 0 (tokens a weight reaches after its own), got {self.pool_forward!r}")
         if not 0 <= self.visible <= 1:
             raise RDKVError(f"visible must be a number in [0, 1] (how far to correct for causal visibility), "
                             f"got {self.visible!r}")
@@ -89,11 +94,16 @@ class Weights:
         return self.pooled(sums)
 
     def pooled(self, sums: AttentionSums) -> AttentionSums:
-        """``sums`` with token weights max-pooled over ``pool`` neighbours: a token next to an attended one
-        counts as attended."""
+        """``sums`` with token weights max-pooled over ``pool`` neighbours, then over the ``pool_forward``
+        tokens before each (weights are >= 0, so zero padding is exact): a token next to, or after, an
+        attended one counts as attended."""
         if self.pool > 1:
             mp = lambda x: F.max_pool1d(x, self.pool, 1, self.pool // 2)  # noqa: E731
             sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
+        if self.pool_forward:
+            k = self.pool_forward
+            fw = lambda x: F.max_pool1d(F.pad(x, (k, 0)), k + 1, 1)  # noqa: E731
+            sums.mass, sums.mass2 = fw(sums.mass), fw(sums.mass2)
         return sums
 
 
@@ -192,7 +202,7 @@ class Solve:
 OPTIONS: dict[str, tuple[str | None, str]] = {
     "weights": ("weights", "form"), "window": ("weights", "window"), "window_sliding": ("weights", "window_sliding"),
     "visible": ("weights", "visible"), "visible_cap": ("weights", "visible_cap"), "pool_weights": ("weights", "pool"),
-    "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
+    "pool_forward": ("weights", "pool_forward"), "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
