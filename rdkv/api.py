@@ -44,10 +44,13 @@ def dtype16(model: torch.nn.Module) -> torch.dtype:
 
 
 def held_cache(st, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Layer ``i``'s cached k, v (float32) and the first position a future query can still see."""
+    """Layer ``i``'s cached k, v (views, in the cache's dtype) and the first position a future query can still see.
+
+    Not upcast: a 16-bit model's every layer in float32 at once would double what compress holds; pricing
+    and packing upcast one layer at a time."""
     start = st.start if st.sliding_window is None else max(st.start, st.seen - st.sliding_window + 1)
-    k = st.key[..., start - st.start :, :].float()
-    v = st.value[..., start - st.start :, :].float()
+    k = st.key[..., start - st.start :, :]
+    v = st.value[..., start - st.start :, :]
     if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
         raise RDKVError(f"layer {i}: the cache holds NaN or Inf; the prefill itself is broken (check dtype/overflow)")
     if max(k.abs().max(), v.abs().max()) > quant.FP16_MAX:
@@ -63,7 +66,7 @@ def held_layer(model: torch.nn.Module, st, i: int, method: Method) -> HeldLayer:
     if method.prerope:
         pos = torch.arange(start, st.seen, device=k.device)
         rope = rope_table(model, i, k.shape[-1], pos)
-        k = rotate(k, pos, rope, inverse=True)
+        k = rotate(k.float(), pos, rope, inverse=True)
     return HeldLayer(st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3]), rope)
 
 

@@ -135,7 +135,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
                  spec: PackSpec, end: int, model: str = "output", prior: torch.Tensor | float | None = None,
                  evict_to: str = "heavy", q_floor: float = 0.0, *, protect: torch.Tensor | None = None,
                  prerope: bool = False, gain: float = 1.0, joint: JointEviction | None = None) -> LayerTables:
-    """Tables for one layer from its cached k, v [B, H, T, D] (float32, absolute positions up to ``end``).
+    """Tables for one layer from its cached k, v [B, H, T, D] (any float dtype, absolute positions up to ``end``).
 
     ``prior`` [B, 1|H, T] is the squared attention a future query is expected to put on each token,
     per query, beyond what the prefill's queries did (the uniform ``floor`` plus optional surprisal).
@@ -153,6 +153,8 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     if evict_to not in EVICT_TO:
         raise RDKVError(f"unknown evict_to {evict_to!r}; choose one of {EVICT_TO}")
     B, H, T, D = k.shape
+    held_v = v  # what the re-pricing closures keep: the cache's own tensor, not a float32 copy of it
+    k, v = k.float(), v.float()
     w = token_weights(sums) * present
     if model == "output":
         nq = sums.nq.clamp_min(1).view(B, 1, 1)
@@ -182,9 +184,11 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     dv, dk = dv * gain, dk * gain
     reprice = None
     if model == "output" and evict_to == "kept":  # where a head's mass goes once the others are evicted
-        reprice = lambda b, kept: gain * m[b] * (v[b] - _mean(v[b], w[b] * kept)).square().sum(-1)  # noqa: E731
+        def reprice(b: int, kept: torch.Tensor) -> torch.Tensor:
+            vb = held_v[b].float()
+            return gain * m[b] * (vb - _mean(vb, w[b] * kept)).square().sum(-1)
     elif joint is not None:
-        reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, v, scaling)
+        reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, held_v, scaling)
     protect = torch.zeros_like(present) if protect is None else protect & present
     return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec,
                        fixed_bytes(H, D, spec, prerope), sums.nq, protect, reprice)

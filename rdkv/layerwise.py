@@ -15,7 +15,9 @@ keys and values are replaced, before layer i + 1 runs, by
   ``rdkv.compress(rec, budget, surprisal=0)`` gives on a record of the same prefill.
 
 Each decoder layer's MLP runs over ``mlp_chunk`` tokens at a time: it acts on every token alone, and its
-[T, intermediate] temporaries are, once the cache is gone, the largest tensors a long prefill holds.
+[T, intermediate] temporaries are, once the cache is gone, the largest tensors a long prefill holds. A
+chunked matmul may round differently from a whole one (on some CPUs it does), so past ``mlp_chunk`` tokens
+"byte for byte" holds up to that rounding.
 
 Either way the prefill's outputs are those of an uncompressed prefill, and budgets are per layer
 (``scope="layer"``, RDKV's default): one knapsack over all layers would need every layer at once. Memory,

@@ -33,7 +33,7 @@ def test_layerwise_cache_is_what_compress_packs(case):
     options = {"prerope": {"prerope": True}, "all-queries": {"weights": "all"}, "aware": {"method": "rdkv-aware"},
                "joint": {"evict_jointly": True}}.get(case, {})
     want = compressed(model, ids, mask, all_queries=case == "all-queries", **SMALL, **options)
-    chunk = {"mlp_chunk": 16} if case == "mlp-chunks" else {}  # each MLP over 16 tokens at a time: the same cache
+    chunk = {"mlp_chunk": 16} if case == "mlp-chunks" else {}  # each MLP over 16 tokens at a time: at this width, the same cache
     got = rdkv.prefill(model, ids, 0.3, attention_mask=mask, mode="layer", **SMALL, **options, **chunk)
     assert got.method == want.method and got.fp16_bytes == want.fp16_bytes and got.nbytes == want.nbytes
     assert same_tensors(got, want)
@@ -124,9 +124,12 @@ def test_real_model_layerwise_cache_is_what_compress_packs(name):
     probe = rdkv.models.retrieval_prompt(700, 0.5, tok)
     ids = tok(probe["context"], return_tensors="pt").input_ids
     want = compressed(model, ids)
-    got = rdkv.prefill(model, ids, 0.3, mode="layer", mlp_chunk=128)  # the MLPs in six chunks
-    assert same_tensors(got, want)
+    assert same_tensors(rdkv.prefill(model, ids, 0.3, mode="layer"), want)  # each MLP in one call: exact
+    # the MLPs in six chunks: a chunked matmul may round differently (it does on some CPUs, bit-identical on
+    # others), which can move a code at a rounding boundary, so the check is the answer
+    got = rdkv.prefill(model, ids, 0.3, mode="layer", mlp_chunk=128)
     assert not any("forward" in vars(m) for m in model.modules())
+    assert abs(got.nbytes - want.nbytes) <= 0.01 * want.nbytes
     q = tok(probe["question"], return_tensors="pt", add_special_tokens=False).input_ids
     full = torch.cat([ids, q], 1)
     a = model.generate(full, past_key_values=got, max_new_tokens=5, do_sample=False)

@@ -17,7 +17,7 @@ class HeldLayer(NamedTuple):
     the layer's rotary table, stored with the packed keys)."""
 
     stats: LayerStats
-    k: torch.Tensor  # [B, H, T, D] float32
+    k: torch.Tensor  # [B, H, T, D] in the cache's dtype (float32 when un-rotated pre-RoPE)
     v: torch.Tensor
     start: int
     present: torch.Tensor  # [B, H, T] bool: False at padding

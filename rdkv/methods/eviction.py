@@ -109,4 +109,4 @@ class KeyNorm(Evict):
     """The tokens with the lowest key norm."""
 
     def scores(self, h: HeldLayer) -> torch.Tensor:
-        return -h.k.norm(dim=-1)
+        return -h.k.float().norm(dim=-1)
