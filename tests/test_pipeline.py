@@ -192,6 +192,9 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 3))
     rec, out = recorded(model, ids)
     full = out.past_key_values
+    held, _ = rdkv.api._held(rec, rdkv.methods.resolve(model, "rdkv", SMALL))
+    for h, st in zip(held, [rec.layers[i] for i in range(len(held))]):  # no float32 copy of every layer while compress runs
+        assert h.k.dtype == h.v.dtype == dtype and h.v.untyped_storage().data_ptr() == st.value.untyped_storage().data_ptr()
     cache = rdkv.compress(rec, 1.0, **SMALL)
     assert cache.layers[0].t["vc"].dtype == dtype
     held = cache.report().totals()
