@@ -2,9 +2,9 @@
 
 Per packed segment the work is a handful of large vectorised ops, whatever the number of width classes:
 each V class and K width is unpacked once into one buffer in storage order, which one index copy per zone
-scatters to dense per-stream rows; every K block's scale and zero are applied in one broadcast over whole
-token groups; keys stay in each stream's packed channel order and the query is permuted instead
-(q . k = q[perm] . k[perm]); causality is never evaluated on a packed prefix, whose positions all precede
+scatters to dense per-stream rows; keys stay codes in each stream's packed channel order, the query is
+permuted instead (q . k = q[perm] . k[perm]) and each token group's K scales are folded into it, its zero
+points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix, whose positions all precede
 every query; the scores of every segment and of zone C go through one softmax.
 
 :func:`read_segment` is the only function here that knows the packed layout.
@@ -51,13 +51,17 @@ def _runs(lengths: torch.Tensor, base: torch.Tensor, step: int = 1) -> torch.Ten
         base - step * starts, lengths, output_size=total)
 
 
-def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
     """Zones A+B of one packed segment as dense float32 tensors, one row per kept token of each stream.
 
-    Returns (K [S, N, D], V [S, N, D], positions [S, N], kept [S, N], permuted), N >= every stream's
-    count: K's channels are in the stream's packed order (``k_perm``) when ``permuted``, else in the
-    model's order (pre-RoPE keys, which are rotated here at their positions). Rows past a stream's count
-    are not kept: their V is zero, their K and position undefined.
+    Returns (K [S, N, D], K scales and zeros [S, N / k_group, 2, D] or None, V [S, N, D], positions [S, N],
+    kept [S, N]), N a multiple of ``k_group`` >= every stream's count. With scales, K holds the codes (16-bit
+    rows and width-0 channel means as they are, with scale 1 and zero 0) in the stream's packed channel order
+    (``k_perm``), and a key is ``code * scale + zero`` with the scale and zero of its token group: the caller
+    folds them into the query instead of forming the keys. Without (pre-RoPE keys), K is dequantized,
+    in the model's channel order and rotated to its positions. Rows past a stream's count are not kept:
+    their V is zero, their K and position undefined.
 
     Every class is unpacked into its slice of one buffer in storage order, which a single index copy
     then scatters to the dense rows, so the op count does not grow with the number of classes.
@@ -69,7 +73,7 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.T
     counts = t["v_counts"].long()
     n = counts.sum(1)
     ngm = -(-int(n.max()) // kg) if S else 0  # K scale groups of the longest stream
-    N = ngm * kg  # rows per stream: whole K groups, so one broadcast applies every K scale
+    N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
     row0 = torch.arange(S, device=dev) * N  # first dense row of each stream
     kept = torch.arange(N, device=dev) < n.unsqueeze(1)
     pos = torch.zeros(S * N, dtype=torch.long, device=dev)
@@ -125,13 +129,13 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.T
                           if per_width[quant.WIDTHS.index(w)]]).float()
         ps, pb = s[packed], blk[packed]
         sz.index_copy_(0, _runs(-(-n[ps] // kg), ps * ngm * nb + pb, step=nb), meta)  # groups restart per pair
-    sz = sz.view(S, ngm, 1, nb, 2, kb)
-    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
     V, pos = V.view(S, N, D), pos.view(S, N)
     if "rope" not in t:
-        return K, V, pos, kept, True
+        return K.view(S, N, D), sz.view(S, ngm, nb, 2, kb).transpose(2, 3).reshape(S, ngm, 2, D), V, pos, kept
+    sz = sz.view(S, ngm, 1, nb, 2, kb)
+    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
     K = torch.empty_like(K).scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, N, D), K)
-    return rope.rotate(K, pos, t["rope"]), V, pos, kept, False
+    return rope.rotate(K, pos, t["rope"]), None, V, pos, kept
 
 
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
@@ -142,11 +146,18 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
 
     scores, values = [], []
     for seg in layer.segments():
-        K, V, pos, kept, permuted = read_segment(seg)
+        K, ksz, V, pos, kept = read_segment(seg)
         if not K.shape[1]:
             continue
-        qs = q.gather(2, seg.t["k_perm"].long().unsqueeze(1).expand(S, GL, D)) if permuted else q
-        s = torch.bmm(qs, K.transpose(1, 2))
+        if ksz is None:
+            s = torch.bmm(q, K.transpose(1, 2))
+        else:  # per token group g: q . (code * scale_g + zero_g) = (q * scale_g) . code + q . zero_g
+            qs = q.gather(2, seg.t["k_perm"].long().unsqueeze(1).expand(S, GL, D))
+            G = ksz.shape[1]
+            bias = torch.bmm(ksz[:, :, 1], qs.transpose(1, 2)).view(S * G, 1, GL).transpose(1, 2)
+            qf = (qs.unsqueeze(1) * ksz[:, :, :1]).view(S * G, GL, D)
+            s = torch.baddbmm(bias, qf, K.view(S * G, -1, D).transpose(1, 2))
+            s = s.view(S, G, GL, -1).transpose(1, 2).reshape(S, GL, -1)
         ok = kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
         if window is not None:
             ok = ok & (q_pos[:, None] - pos.unsqueeze(1) < window)
