@@ -148,3 +148,17 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
     assert torch.equal(runs["torch"].sequences, runs["reference"].sequences)
     worst = max(float((a - b).abs().max()) for a, b in zip(runs["torch"].logits, runs["reference"].logits))
     assert worst < 2e-2
+
+
+def test_decode_runs_in_inference_mode_only_when_no_gradient_is_wanted():
+    """Without gradients the torch paths run in inference mode and hand back an ordinary tensor, which the model
+    may change in place; with them, the output stays on the autograd graph."""
+    from rdkv.decode import trizone_decode
+
+    layer = build(seed=12, B=1, H=2, T=80, D=64, n_c=2)
+    q = query(layer, 2, 1, torch.float32)
+    out = trizone_decode(q, layer, 0.125)  # the suite runs without gradients (conftest)
+    assert not out.is_inference()
+    out.add_(1.0)
+    with torch.enable_grad():
+        assert trizone_decode(q.requires_grad_(True), layer, 0.125).requires_grad
