@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "rdkv-visible-wgl256": ("rdkv", {"visible": 1.0, "window": 256, "window_sliding": 64}),  # rdkv-hybrid without horizon
     "rdkv-1pass": ("rdkv", {"passes": 1}),
     "rdkv-v0": ("rdkv", {"scope": "global", "passes": 1}),  # the first default: one knapsack, K priced for every token
+    "rdkv-aware-v0": ("rdkv-aware", {"pool_forward": 0}),  # rdkv-aware until 2026-12-02: no forward reach
     "rdkv-noprotect": ("rdkv", {"sinks": 0, "recent": 0}),
     "rdkv-noevict": ("rdkv", {"evict": False}),
     "rdkv-noprior": ("rdkv", {"surprisal": 0.0}),  # no reserve for unseen questions at all
