@@ -4,8 +4,8 @@ Per packed segment the work is a handful of large vectorised ops, whatever the n
 each V class and K width is unpacked once into one buffer in storage order, which one index copy per zone
 scatters to dense per-stream rows; keys stay codes in each stream's packed channel order, the query is
 permuted instead (q . k = q[perm] . k[perm]) and each token group's K scales are folded into it, its zero
-points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix, whose positions all precede
-every query; the scores of every segment and of zone C go through one softmax.
+points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix,
+whose positions all precede every query; the scores of every segment and of zone C go through one softmax.
 
 :func:`read_segment` is the only function here that knows the packed layout.
 Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts.
