@@ -26,8 +26,9 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
             raise RDKVError(f"RDKV_BACKEND=triton but the Triton decode kernel is unavailable: {e}") from e
         out = triton_decode(query, layer, scaling, sliding_window, softcap, mask)
     else:
-        # the torch paths run many small ops: inference mode drops their autograd bookkeeping (10-20% of a
-        # CPU decode step); the output is cloned back to a normal tensor, which the model may change in place
+        # the torch paths run many small ops: inference mode drops their autograd bookkeeping (measured with the
+        # K-scale folding in docs/benchmarks.md); the output is cloned back to an ordinary tensor, which the model
+        # may change in place
         free = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         with torch.inference_mode(free):
             out = (cpu_decode if chosen == "torch" else reference).trizone_attention(
