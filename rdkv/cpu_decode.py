@@ -24,31 +24,17 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
     """Unpack ``bits``-bit codes uint8 [R, C * bits / 8] into float32 ``out`` [R, C] (quant.pack's layout).
 
     On a CPU, torch's elementwise ops are fast on contiguous operands and slow when they broadcast over a
-    short innermost dim (a byte's 2 or 4 codes, as quant.unpack does). Two-bit rows of whole int32 words
-    shift 16 codes per word; otherwise each code position of the byte is shifted over the whole tensor and
-    written into its strided slot.
+    short innermost dim (a byte's 2 or 4 codes, as quant.unpack does): each code position of the byte is
+    shifted and masked over the whole byte tensor instead, and converted into its strided slot of ``out``.
     """
     if bits == 8:
         out.copy_(codes)
         return
-    mask = (1 << bits) - 1
-    if bits == 2 and codes.shape[-1] % 4 == 0 and codes.is_contiguous() and codes.storage_offset() % 4 == 0:
-        shifts = torch.arange(0, 32, 2, dtype=torch.int32, device=codes.device)  # little-endian: lowest code first
-        out.copy_(((codes.view(torch.int32).unsqueeze(-1) >> shifts) & mask).flatten(-2))
-        return
-    per = 8 // bits
+    mask, per = (1 << bits) - 1, 8 // bits
     slots = out.view(*codes.shape, per)
     for i in range(per):
-        plane = codes >> (bits * i)
+        plane = codes >> (bits * i) if i else codes
         slots[..., i].copy_(plane if i == per - 1 else plane & mask)
-
-
-def _runs(lengths: torch.Tensor, base: torch.Tensor, step: int = 1) -> torch.Tensor:
-    """Concatenated index runs: run j is ``base[j] + step * (0 .. lengths[j] - 1)``."""
-    total = int(lengths.sum())
-    starts = torch.cumsum(lengths, 0) - lengths
-    return step * torch.arange(total, device=lengths.device) + torch.repeat_interleave(
-        base - step * starts, lengths, output_size=total)
 
 
 def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
@@ -61,10 +47,12 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
     (``k_perm``), and a key is ``code * scale + zero`` with the scale and zero of its token group: the caller
     folds them into the query instead of forming the keys. Without (pre-RoPE keys), K is dequantized,
     in the model's channel order and rotated to its positions. Rows past a stream's count are not kept:
-    their V is zero, their K and position undefined.
+    their V is zero, their K finite, their position that of another kept token.
 
-    Every class is unpacked into its slice of one buffer in storage order, which a single index copy
-    then scatters to the dense rows, so the op count does not grow with the number of classes.
+    Every class is unpacked into one buffer in storage order, ending in a zero row; one index gather per
+    zone then reads the dense rows from it (a gather is several times faster than a scatter of the same
+    rows on a CPU), so the op count does not grow with the number of classes. The gather indices are
+    computed from the per-stream counts and per-block widths with a few broadcasts, never per token run.
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
@@ -72,19 +60,22 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
     nb = D // kb
     counts = t["v_counts"].long()
     n = counts.sum(1)
+    total = int(n.sum())
     ngm = -(-int(n.max()) // kg) if S else 0  # K scale groups of the longest stream
     N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
-    row0 = torch.arange(S, device=dev) * N  # first dense row of each stream
-    kept = torch.arange(N, device=dev) < n.unsqueeze(1)
-    pos = torch.zeros(S * N, dtype=torch.long, device=dev)
-    pos[_runs(n, row0)] = t["pos"].long()
+    i = torch.arange(N, device=dev)
+    kept = i < n.unsqueeze(1)  # [S, N]
+    start = torch.cumsum(n, 0) - n  # first row of each stream in the stored token order
+    pos = t["pos"].long().index_select(0, (start.unsqueeze(1) + i).clamp_(max=max(total - 1, 0)).flatten())
 
-    # V: class rows are stream-major within a class; the dense row of a class's j-th row in stream s is
-    # s * N + (the class's first index in the stream) + j
-    first = torch.cumsum(counts, 1) - counts
-    flat = torch.empty(int(n.sum()), D, device=dev)
+    # V: classes 2, 4, 8, 16 in turn, each stream-major; the i-th token of stream s is in the class c whose
+    # bounds hold i, at row (the class's first row) + (its rows in earlier streams) + (i - the class's first
+    # index in the stream)
+    rows_per_class = counts.sum(0)
+    flat = torch.empty(total + 1, D, device=dev)
+    flat[total] = 0
     a = 0
-    for w, rows in zip(V_CLASSES, counts.sum(0).tolist()):
+    for w, rows in zip(V_CLASSES, rows_per_class.tolist()):
         if not rows:
             continue
         out = flat[a : a + rows]
@@ -95,40 +86,53 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
             g = out.view(rows, -1, spec.v_group_of(w))
             g.mul_(t[f"v{w}.scale"].unsqueeze(-1)).add_(t[f"v{w}.zero"].unsqueeze(-1))
         a += rows
-    V = torch.zeros(S * N, D, device=dev)
-    V.index_copy_(0, _runs(counts.T.flatten(), (row0.unsqueeze(0) + first.T).flatten()), flat)
+    bounds = torch.cumsum(counts, 1)
+    base = (torch.cumsum(rows_per_class, 0) - rows_per_class) + (torch.cumsum(counts, 0) - counts) - (bounds - counts)
+    cls = torch.searchsorted(bounds, i.expand(S, N).contiguous(), right=True).clamp_(max=len(V_CLASSES) - 1)
+    vidx = torch.where(kept, base.gather(1, cls) + i, total)
+    V = flat.index_select(0, vidx.flatten())
 
-    # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order;
-    # codes (or 16-bit rows, or channel means) first, then one multiply-add with every block's scale and zero
-    # laid out per (stream, token group, block): 1 and 0 where a block stores values
+    # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order
+    # (one channel-mean row for width 0), then N zero rows; token i of stream s reads row base + step * i of
+    # each block's pair (step 0: the mean), and its group's (scale, zero), or (1, 0) where a block stores values
     bits = t["k_bits"].long()  # [S, nb]
-    order = torch.searchsorted(torch.tensor(quant.WIDTHS, device=dev), bits.T.flatten())  # width index per pair
-    pair = torch.argsort(order * (nb * S) + torch.arange(nb * S, device=dev), stable=True)
-    blk, s = pair // S, pair % S
-    per_width = torch.bincount(order, minlength=len(quant.WIDTHS)).tolist()
-    flat = torch.empty(int(n[s].sum()), kb, device=dev)
+    widx = torch.searchsorted(torch.tensor(quant.WIDTHS, device=dev), bits.T.flatten())  # width index per pair
+    pair = torch.argsort(widx * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
+    ps, pw = pair % S, bits.T.flatten()[pair]  # stream and width of each pair in storage order
+    per_width = torch.bincount(widx, minlength=len(quant.WIDTHS)).tolist()
+    rows = torch.where(pw == 0, 1, n[ps])  # stored rows per pair
+    krows = int(rows.sum())
+    flat = torch.empty(krows + N, kb, device=dev)
+    flat[krows:] = 0  # rows past a stream's count read on into the next pair's rows or these zeros
     a = p = 0
     for w, pairs in zip(quant.WIDTHS, per_width):
-        rows = int(n[s[p : p + pairs]].sum()) if pairs else 0
-        out = flat[a : a + rows]
+        r = int(rows[p : p + pairs].sum()) if pairs else 0
+        out = flat[a : a + r]
         if w == 0:
-            out.copy_(torch.repeat_interleave(t["k0.mean"], n[s[p : p + pairs]], dim=0, output_size=rows))
+            out.copy_(t["k0.mean"])
         elif w == 16:
             out.copy_(t["k16"])
-        elif rows:
+        elif r:
             _unpack_into(out, t[f"k{w}.codes"], w)
-        a, p = a + rows, p + pairs
-    K = torch.empty(S * N * nb, kb, device=dev)  # row (s * N + i) * nb + b: block b of token i of stream s
-    K.index_copy_(0, _runs(n[s], row0[s] * nb + blk, step=nb), flat)
-    width = bits.T.flatten()[pair]
-    packed = (width != 0) & (width != 16)  # pairs whose codes carry a scale and zero per token group
-    sz = torch.ones(S * ngm * nb, 2, kb, device=dev)  # (scale, zero) per (stream, token group, block)
-    sz[:, 1] = 0
-    if bool(packed.any()):
-        meta = torch.cat([torch.stack([t[f"k{w}.scale"], t[f"k{w}.zero"]], 1) for w in quant.PACKED
-                          if per_width[quant.WIDTHS.index(w)]]).float()
-        ps, pb = s[packed], blk[packed]
-        sz.index_copy_(0, _runs(-(-n[ps] // kg), ps * ngm * nb + pb, step=nb), meta)  # groups restart per pair
+        a, p = a + r, p + pairs
+    kbase = torch.empty(nb * S, dtype=torch.long, device=dev)
+    kbase[pair] = torch.cumsum(rows, 0) - rows
+    kbase = kbase.view(nb, S).T.unsqueeze(1)  # [S, 1, nb]
+    step = (bits != 0).unsqueeze(1)
+    kidx = kbase + step * i.view(1, N, 1)
+    K = flat.index_select(0, kidx.flatten())  # row (s * N + i) * nb + b: block b of token i of stream s
+    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
+    groups = torch.where(packed, -(-n[ps] // kg), 0)
+    meta = torch.cat([torch.tensor([[1.0], [0.0]], device=dev).expand(1, 2, kb)]
+                     + [torch.stack([t[f"k{w}.scale"], t[f"k{w}.zero"]], 1).float() for w in quant.PACKED
+                        if per_width[quant.WIDTHS.index(w)]])  # row 0: (1, 0)
+    gbase = torch.empty(nb * S, dtype=torch.long, device=dev)
+    gbase[pair] = 1 + torch.cumsum(groups, 0) - groups
+    gcount = torch.empty(nb * S, dtype=torch.long, device=dev)
+    gcount[pair] = groups
+    g = torch.arange(ngm, device=dev).view(1, ngm, 1)
+    gidx = torch.where(g < gcount.view(nb, S).T.unsqueeze(1), gbase.view(nb, S).T.unsqueeze(1) + g, 0)
+    sz = meta.index_select(0, gidx.flatten())  # (scale, zero) per (stream, token group, block)
     V, pos = V.view(S, N, D), pos.view(S, N)
     if "rope" not in t:
         return K.view(S, N, D), sz.view(S, ngm, nb, 2, kb).transpose(2, 3).reshape(S, ngm, 2, D), V, pos, kept
