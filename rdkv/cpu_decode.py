@@ -1,8 +1,8 @@
 """TriZone decode in plain torch, built for speed on a CPU; :mod:`rdkv.reference` stays the oracle.
 
 Per packed segment the work is a handful of large vectorised ops, whatever the number of width classes:
-each V class and K width is unpacked once into one buffer in storage order, which one index copy per zone
-scatters to dense per-stream rows; keys stay codes in each stream's packed channel order, the query is
+each V class and K width is unpacked once into one buffer in storage order, from which one index gather per
+zone reads dense per-stream rows; keys stay codes in each stream's packed channel order, the query is
 permuted instead (q . k = q[perm] . k[perm]) and each token group's K scales are folded into it, its zero
 points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix,
 whose positions all precede every query; the scores of every segment and of zone C go through one softmax.
@@ -49,7 +49,7 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
     in the model's channel order and rotated to its positions. Rows past a stream's count are not kept:
     their V is zero, their K finite, their position that of another kept token.
 
-    Every class is unpacked into one buffer in storage order, ending in a zero row; one index gather per
+    Every class is unpacked into one buffer in storage order, ending in zero rows; one index gather per
     zone then reads the dense rows from it (a gather is several times faster than a scatter of the same
     rows on a CPU), so the op count does not grow with the number of classes. The gather indices are
     computed from the per-stream counts and per-block widths with a few broadcasts, never per token run.

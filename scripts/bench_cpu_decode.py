@@ -9,11 +9,14 @@ rdkv's vectorised CPU decode (``RDKV_BACKEND=torch``, the default on CPU) and th
 (``RDKV_BACKEND=reference``). Every row is the best of ``--repeats`` runs, taken in turns so drift in the
 machine's speed hits every row alike; ``--load`` repeats the measurement while another process runs a
 2-thread matmul, as a shared machine does. Ratios are against the full cache measured in the same run.
+``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``), timed
+in the same turns, so a change to the path is measured against its predecessor on one machine state.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import os
 import platform
 import subprocess
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 import rdkv
+from rdkv import cpu_decode
 
 LOAD = ("import os, torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nparent = os.getppid()\n"
         "while os.getppid() == parent:  # ends with the benchmark, however it ends\n    a @ a\n")
@@ -44,20 +48,40 @@ def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
     return (time.perf_counter() - t) * 1e3 / tokens
 
 
-def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str) -> dict[str, float]:
+def cpu_decode_at(rev: str):
+    """``rdkv/cpu_decode.py`` as it was at git revision ``rev``, imported beside the current one."""
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:rdkv/cpu_decode.py"], check=True,
+                         capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader("rdkv._cpu_decode_at_rev", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "rdkv"  # its relative imports resolve against the installed package
+    exec(compile(src, f"{rev}:rdkv/cpu_decode.py", "exec"), module.__dict__)
+    return module
+
+
+def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str,
+            previous=None) -> dict[str, float]:
     """Best-of-``repeats`` ms per token of every path, in turns; the full cache through the attention
-    implementation ``plain``."""
+    implementation ``plain``; ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
     best: dict[str, float] = {}
+    current = cpu_decode.trizone_attention
+    paths = [("torch", "torch", current)] + ([("previous", "torch", previous.trizone_attention)] if previous else [])
+    paths.append(("reference", "reference", current))
     for _ in range(repeats):
         model.set_attn_implementation(plain)  # the full cache runs transformers' own attention
         best["full"] = min(best.get("full", 1e9), ms_per_token(model, ids, full, tokens))
         rdkv.install(model)
-        for backend in ("torch", "reference"):
-            os.environ["RDKV_BACKEND"] = backend
-            for budget, cache in caches.items():
-                key = f"{backend} {budget:g}"
-                best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
-        os.environ.pop("RDKV_BACKEND")
+        try:
+            for name, backend, fn in paths:
+                os.environ["RDKV_BACKEND"] = backend
+                cpu_decode.trizone_attention = fn
+                for budget, cache in caches.items():
+                    key = f"{name} {budget:g}"
+                    best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
+        finally:
+            cpu_decode.trizone_attention = current
+            os.environ.pop("RDKV_BACKEND")
     return best
 
 
@@ -69,16 +93,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--load", action="store_true", help="also measure beside a competing 2-thread matmul")
+    ap.add_argument("--compare", metavar="REV", help="also time rdkv/cpu_decode.py as it was at this git revision")
     args = ap.parse_args()
+    previous = cpu_decode_at(args.compare) if args.compare else None
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     plain = model.config._attn_implementation
     print(f"{args.model} fp32, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; greedy generate of {args.tokens} tokens, "
           f"best of {args.repeats}\n")
-    cols = ["full"] + [f"{b} {x:g}" for b in ("torch", "reference") for x in args.budgets]
+    names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "reference": "oracle"}
+    paths = [p for p in names if p != "previous" or previous]
+    cols = ["full"] + [f"{p} {x:g}" for p in paths for x in args.budgets]
     print("| context | machine | full cache ms/token | " + " | ".join(
-        f"rdkv {x:.0%} ({'CPU decode' if b == 'torch' else 'oracle'})" for b in ("torch", "reference") for x in args.budgets) + " |")
+        f"rdkv {x:.0%} ({names[p]})" for p in paths for x in args.budgets) + " |")
     print("|---" * (len(cols) + 2) + "|")
     for n in args.contexts:
         ids = text_ids(tok, n)
@@ -91,7 +119,7 @@ def main() -> None:
             try:
                 if load:
                     time.sleep(2)
-                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain)
+                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain, previous)
             finally:
                 if load:
                     load.kill()
