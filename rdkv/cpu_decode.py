@@ -37,17 +37,18 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
         slots[..., i].copy_(plane if i == per - 1 else plane & mask)
 
 
-def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:
+def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Zones A+B of one packed segment as dense float32 tensors, one row per kept token of each stream.
 
-    Returns (K [S, N, D], K scales and zeros [S, N / k_group, 2, D] or None, V [S, N, D], positions [S, N],
-    kept [S, N]), N a multiple of ``k_group`` >= every stream's count. With scales, K holds the codes (16-bit
-    rows and width-0 channel means as they are, with scale 1 and zero 0) in the stream's packed channel order
-    (``k_perm``), and a key is ``code * scale + zero`` with the scale and zero of its token group: the caller
-    folds them into the query instead of forming the keys. Without (pre-RoPE keys), K is dequantized,
-    in the model's channel order and rotated to its positions. Rows past a stream's count are not kept:
-    their V is zero, their K finite, their position that of another kept token.
+    Returns (K [S, N, D], K scales and zeros [S, N / k_group, 2, D] or None, V [S, N, D], positions [S, N] or
+    None, kept [S, N]), N a multiple of ``k_group`` >= every stream's count. With scales, K holds the codes
+    (16-bit rows and width-0 channel means as they are, with scale 1 and zero 0) in the stream's packed channel
+    order (``k_perm``), and a key is ``code * scale + zero`` with the scale and zero of its token group: the
+    caller folds them into the query instead of forming the keys. Without (pre-RoPE keys), K is dequantized,
+    in the model's channel order and rotated to its positions. Positions are read only when ``positions`` (or
+    to rotate keys). Rows past a stream's count are not kept: their V is zero, their K finite, their position
+    that of another kept token.
 
     Every class is unpacked into one buffer in storage order, ending in zero rows; one index gather per
     zone then reads the dense rows from it (a gather is several times faster than a scatter of the same
@@ -65,8 +66,11 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
     N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
     i = torch.arange(N, device=dev)
     kept = i < n.unsqueeze(1)  # [S, N]
-    start = torch.cumsum(n, 0) - n  # first row of each stream in the stored token order
-    pos = t["pos"].long().index_select(0, (start.unsqueeze(1) + i).clamp_(max=max(total - 1, 0)).flatten())
+    rope_keys = "rope" in t
+    pos = None
+    if positions or rope_keys:  # stream s's tokens follow those of the streams before it in ``pos``
+        first = (torch.cumsum(n, 0) - n).unsqueeze(1) + i
+        pos = t["pos"].long().index_select(0, first.clamp_(max=max(total - 1, 0)).flatten()).view(S, N)
 
     # V: classes 2, 4, 8, 16 in turn, each stream-major; the i-th token of stream s is in the class c whose
     # bounds hold i, at row (the class's first row) + (its rows in earlier streams) + (i - the class's first
@@ -89,22 +93,25 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
     bounds = torch.cumsum(counts, 1)
     base = (torch.cumsum(rows_per_class, 0) - rows_per_class) + (torch.cumsum(counts, 0) - counts) - (bounds - counts)
     cls = torch.searchsorted(bounds, i.expand(S, N).contiguous(), right=True).clamp_(max=len(V_CLASSES) - 1)
-    vidx = torch.where(kept, base.gather(1, cls) + i, total)
-    V = flat.index_select(0, vidx.flatten())
+    V = flat.index_select(0, torch.where(kept, base.gather(1, cls) + i, total).flatten()).view(S, N, D)
 
     # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order
     # (one channel-mean row for width 0), then N zero rows; token i of stream s reads row base + step * i of
     # each block's pair (step 0: the mean), and its group's (scale, zero), or (1, 0) where a block stores values
     bits = t["k_bits"].long()  # [S, nb]
-    widx = torch.searchsorted(torch.tensor(quant.WIDTHS, device=dev), bits.T.flatten())  # width index per pair
-    pair = torch.argsort(widx * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
-    ps, pw = pair % S, bits.T.flatten()[pair]  # stream and width of each pair in storage order
-    per_width = torch.bincount(widx, minlength=len(quant.WIDTHS)).tolist()
+    pw = bits.T.flatten()  # width of pair b * S + s
+    pair = torch.argsort(pw * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
+    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
+    per_width = torch.bincount(pw, minlength=17)[list(quant.WIDTHS)].tolist()
     rows = torch.where(pw == 0, 1, n[ps])  # stored rows per pair
     krows = int(rows.sum())
     flat = torch.empty(krows + N, kb, device=dev)
     flat[krows:] = 0  # rows past a stream's count read on into the next pair's rows or these zeros
-    a = p = 0
+    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
+    groups = (n[ps] + kg - 1) // kg * packed
+    meta = torch.empty(1 + int(groups.sum()), 2, kb, device=dev)  # row 0: (1, 0) for blocks that store values
+    meta[0, 0], meta[0, 1] = 1, 0
+    a = p = m = 0
     for w, pairs in zip(quant.WIDTHS, per_width):
         r = int(rows[p : p + pairs].sum()) if pairs else 0
         out = flat[a : a + r]
@@ -114,27 +121,19 @@ def read_segment(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor | None, 
             out.copy_(t["k16"])
         elif r:
             _unpack_into(out, t[f"k{w}.codes"], w)
+            gw = len(t[f"k{w}.scale"])
+            meta[1 + m : 1 + m + gw, 0] = t[f"k{w}.scale"]
+            meta[1 + m : 1 + m + gw, 1] = t[f"k{w}.zero"]
+            m += gw
         a, p = a + r, p + pairs
-    kbase = torch.empty(nb * S, dtype=torch.long, device=dev)
-    kbase[pair] = torch.cumsum(rows, 0) - rows
-    kbase = kbase.view(nb, S).T.unsqueeze(1)  # [S, 1, nb]
-    step = (bits != 0).unsqueeze(1)
-    kidx = kbase + step * i.view(1, N, 1)
-    K = flat.index_select(0, kidx.flatten())  # row (s * N + i) * nb + b: block b of token i of stream s
-    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
-    groups = torch.where(packed, -(-n[ps] // kg), 0)
-    meta = torch.cat([torch.tensor([[1.0], [0.0]], device=dev).expand(1, 2, kb)]
-                     + [torch.stack([t[f"k{w}.scale"], t[f"k{w}.zero"]], 1).float() for w in quant.PACKED
-                        if per_width[quant.WIDTHS.index(w)]])  # row 0: (1, 0)
-    gbase = torch.empty(nb * S, dtype=torch.long, device=dev)
-    gbase[pair] = 1 + torch.cumsum(groups, 0) - groups
-    gcount = torch.empty(nb * S, dtype=torch.long, device=dev)
-    gcount[pair] = groups
+    table = torch.empty(3, nb * S, dtype=torch.long, device=dev)  # per pair b * S + s: row base, group base, groups
+    table[:, pair] = torch.stack([torch.cumsum(rows, 0) - rows, 1 + torch.cumsum(groups, 0) - groups, groups])
+    table = table.view(3, nb, S).transpose(1, 2).unsqueeze(2)  # [3, S, 1, nb]
+    # row (s * N + i) * nb + b: block b of token i of stream s
+    K = flat.index_select(0, (table[0] + (bits != 0).unsqueeze(1) * i.view(1, N, 1)).flatten())
     g = torch.arange(ngm, device=dev).view(1, ngm, 1)
-    gidx = torch.where(g < gcount.view(nb, S).T.unsqueeze(1), gbase.view(nb, S).T.unsqueeze(1) + g, 0)
-    sz = meta.index_select(0, gidx.flatten())  # (scale, zero) per (stream, token group, block)
-    V, pos = V.view(S, N, D), pos.view(S, N)
-    if "rope" not in t:
+    sz = meta.index_select(0, torch.where(g < table[2], table[1] + g, 0).flatten())  # per (stream, group, block)
+    if not rope_keys:
         return K.view(S, N, D), sz.view(S, ngm, nb, 2, kb).transpose(2, 3).reshape(S, ngm, 2, D), V, pos, kept
     sz = sz.view(S, ngm, 1, nb, 2, kb)
     K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
@@ -150,7 +149,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
 
     scores, values = [], []
     for seg in layer.segments():
-        K, ksz, V, pos, kept = read_segment(seg)
+        K, ksz, V, pos, kept = read_segment(seg, positions=window is not None or m is not None)
         if not K.shape[1]:
             continue
         if ksz is None:
