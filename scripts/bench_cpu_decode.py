@@ -22,6 +22,7 @@ import platform
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
     return (time.perf_counter() - t) * 1e3 / tokens
 
 
-def cpu_decode_at(rev: str):
+def cpu_decode_at(rev: str) -> types.ModuleType:
     """``rdkv/cpu_decode.py`` as it was at git revision ``rev``, imported beside the current one."""
     root = Path(__file__).resolve().parent.parent
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:rdkv/cpu_decode.py"], check=True,
