@@ -55,8 +55,9 @@ except (OSError, AttributeError):
 
 def _trim(device: torch.device) -> None:
     """Return freed host memory to the OS after a layer is staged or packed. Each layer leaves a few small
-    long-lived tensors among its large freed temporaries, which glibc keeps mapped: at 8k on SmolLM2 fp16 the
-    staged prefill's resident set grew ~12 MB a layer for 3.3 MB staged (docs/benchmarks.md, 16-bit models)."""
+    long-lived tensors among its large freed temporaries, which glibc otherwise keeps mapped: the staged
+    prefill's resident set then grows by more than its copies, layer after layer (docs/benchmarks.md, 16-bit
+    models)."""
     if _malloc_trim is not None and device.type == "cpu":
         _malloc_trim(0)
 
