@@ -77,15 +77,22 @@ def fed(model, cache, tail: torch.Tensor, start: int) -> torch.Tensor:
     return model(tail, past_key_values=cache, position_ids=pos).logits[0].float()
 
 
-def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch.Tensor, fp16: int) -> dict:
-    """One press at one budget: prefill under the press, feed the tail without it."""
-    T = prefix.shape[1]
+def press_prefill(model, name: str, budget: float, prefix: torch.Tensor) -> DynamicCache:
+    """The cache of ``prefix`` prefilled under press ``name`` at ``budget`` (clears AdaKV's old head masks first;
+    the caller clears the new ones once it has decoded)."""
     ratio = min(max(1.0 - (budget + 1e-9), 0.0), 1.0 - 1e-9)  # keeps floor(T * budget) tokens per head
     press = PRESSES[name](ratio)
     clear_head_masks(model)
     cache = DynamicCache()
     with press(model):
         model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch.Tensor, fp16: int) -> dict:
+    """One press at one budget: prefill under the press, feed the tail without it."""
+    T = prefix.shape[1]
+    cache = press_prefill(model, name, budget, prefix)
     held = held_bytes(cache)
     kept = sum(layer.keys.shape[2] for layer in cache.layers) / (len(cache.layers) * T)
     ideal = None

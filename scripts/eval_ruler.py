@@ -11,6 +11,13 @@ Each answer is appended to ``docs/results/ruler_<model>_<tag>.jsonl`` as it is s
 continues where it stopped; the markdown table (score per task, the mean, and the mean as % of the full cache's)
 and the score-vs-bytes plot are written from every line of that file. The runner is device-agnostic: it runs
 where the model's weights are (``--device cuda`` on a GPU).
+
+``--presses`` adds NVIDIA kvpress's own presses (rows ``kvpress:<press>``), as scripts/eval_kvpress.py runs them:
+after rdkv's rows, the model gets its own attention back, each press prefills the same prefix on a fresh cache at
+compression ratio 1 - budget, and the answer is decoded with no press active and explicit positions (an evicted
+cache is shorter than the positions it covers). A press is charged its K and V elements at 2 bytes each over the
+fp16 bytes of the full cache. kvpress needs transformers < 5.3: run in that environment, e.g.
+``/tmp/v52/bin/python eval_ruler.py ... --presses snapkv streaming knorm expected``.
 """
 from __future__ import annotations
 
@@ -29,12 +36,15 @@ DEFAULT_METHODS = ["rdkv", "rdkv-aware", "snapkv", "adakv", "streaming", "knorm"
 
 
 @torch.no_grad()
-def greedy(model, cache, ids: torch.Tensor, max_new: int, tok) -> str:
+def greedy(model, cache, ids: torch.Tensor, max_new: int, tok, start: int | None = None) -> str:
     """Feed ``ids`` [1, L] through ``cache`` and decode greedily until EOS, a blank line (the model moving on) or
-    ``max_new`` tokens."""
+    ``max_new`` tokens. ``start``: the absolute position of ``ids``' first token, passed explicitly (for a cache
+    that holds fewer tokens than the positions it covers); None lets the cache's length give it."""
     out = []
     for _ in range(max_new):
-        nxt = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax()
+        pos = None if start is None else torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+        nxt = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos).logits[0, -1].argmax()
+        start = None if start is None else start + ids.shape[1]
         if nxt.item() == tok.eos_token_id:
             break
         out.append(nxt.item())
@@ -63,37 +73,62 @@ def cases(args) -> list[tuple]:
     return [(task, n, k, p) for n in args.contexts for task in args.tasks for k in range(args.samples) for p in args.protocols]
 
 
+def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.Tensor, fp16: int, todo):
+    """Yield (``kvpress:<press>``, budget, cache, bytes/fp16) for every press and budget ``todo(name, budget)`` asks
+    for, with the model's own attention; AdaKV's head masks are cleared once each cache has been answered."""
+    import eval_kvpress as kvp  # imports kvpress, which patches transformers' attention functions
+
+    for name in presses:
+        for b in budgets:
+            if todo(f"kvpress:{name}", b):
+                cache = kvp.press_prefill(model, name, b, prefix)
+                yield f"kvpress:{name}", b, cache, kvp.held_bytes(cache) / fp16
+                kvp.clear_head_masks(model)
+
+
 def run(args, model, tok, path) -> None:
     done = set()
     if path.exists():
         done = {json.loads(line)["key"] for line in path.read_text().splitlines() if line.strip()}
     device = next(model.parameters()).device
     all_queries = needs_all_queries(model, args.methods)
+    plain = model.config._attn_implementation  # the presses' attention (rdkv.record installs its own)
+
+    def answer_all(caches, start: int | None = None) -> None:
+        """Answer the current prefix's questions (``asks``) through a copy of each cache; log each answer."""
+        for m, b, cache, ratio in caches:
+            for (i, ids), key in zip(asks, keys(m, b)):
+                if key in done:
+                    continue
+                q = s.questions[i]
+                answer = greedy(model, copy.deepcopy(cache), ids, s.max_new_tokens, tok, start)
+                row = {"key": key, "task": task, "context": n, "sample": k, "protocol": protocol, "method": m,
+                       "budget": b, "bytes/fp16": ratio, "question": i, "score": ruler.score(answer, q),
+                       "answer": answer, "expected": list(q.answers)}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                done.add(key)
+
     with path.open("a") as log:
         for task, n, k, protocol in tqdm(cases(args), desc="cases"):
             s = ruler.sample(task, tok, n, args.seed + k, args.haystack)
             for prefix, asks in prompts(tok, s, protocol, device):
                 keys = lambda m, b: [f"{task}|{n}|{k}|{protocol}|{m}|{b}|{i}" for i, _ in asks]  # noqa: E731
+                missing = lambda m, b: any(key not in done for key in keys(m, b))  # noqa: E731
                 todo = [m for m in args.methods  # a resumed case compresses only what it has not answered
-                        if any(key not in done for b in settings(split_method(m)[0], args.budgets) for key in keys(m, b))]
-                if not todo and all(key in done for key in keys("full", None)):
+                        if any(missing(m, b) for b in settings(split_method(m)[0], args.budgets))]
+                pending = any(missing(f"kvpress:{p}", b) for p in args.presses for b in args.budgets)
+                if not todo and not pending and not missing("full", None):
                     continue
                 with rdkv.record(model, all_queries=all_queries) as rec:
                     full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+                fp16 = sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in full.layers)
                 caches = [("full", None, full, 1.0)] + [
                     (m, b, c, c.nbytes / c.fp16_bytes) for m, b, c in compressions(rec, todo, args.budgets)]
-                for m, b, cache, ratio in caches:
-                    for (i, ids), key in zip(asks, keys(m, b)):
-                        if key in done:
-                            continue
-                        q = s.questions[i]
-                        answer = greedy(model, copy.deepcopy(cache), ids, s.max_new_tokens, tok)
-                        row = {"key": key, "task": task, "context": n, "sample": k, "protocol": protocol, "method": m,
-                               "budget": b, "bytes/fp16": ratio, "question": i, "score": ruler.score(answer, q),
-                               "answer": answer, "expected": list(q.answers)}
-                        log.write(json.dumps(row) + "\n")
-                        log.flush()
-                        done.add(key)
+                answer_all(caches)
+                if pending:  # the presses run with the model's own attention, after rdkv's caches are answered
+                    model.set_attn_implementation(plain)
+                    answer_all(press_caches(model, args.presses, args.budgets, prefix, fp16, missing), prefix.shape[1])
 
 
 def summarise(rows: list[dict], tasks: list[str]) -> list[dict]:
@@ -134,6 +169,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="samples per task and context")
     ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     ap.add_argument("--haystack", default="prose", choices=ruler.HAYSTACKS)
+    ap.add_argument("--presses", nargs="+", default=[], metavar="PRESS",
+                    help="kvpress presses to add (snapkv, adakv, expected, streaming, knorm, tova); needs kvpress")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from the answers so far")
     args = ap.parse_args()

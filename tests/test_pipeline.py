@@ -157,6 +157,22 @@ def test_every_method_packs_within_its_bytes_and_decodes(method):
     assert torch.isfinite(model(nxt, past_key_values=cache).logits).all()
 
 
+@pytest.mark.parametrize("method", ["snapkv", "adakv", "streaming", "knorm"])
+def test_eviction_keeps_one_share_of_every_layer(method):
+    """On a hybrid model every layer keeps the same share of the tokens it holds (kvpress's per-layer
+    compression ratio), not one count per head: a sliding-window layer holds 15 tokens, the full layer 150,
+    and one count for all would leave the full layer a tenth of the share the window layers get."""
+    ids = torch.randint(0, 96, (1, 150), generator=torch.Generator().manual_seed(0))
+    rec, _ = recorded(tiny_gemma3(1), ids)
+    cache = rdkv.compress(rec, 0.3, method=method, **SMALL)
+    kept = [(layer.v_widths() > 0).sum().item() for layer in cache.layers]
+    held = [layer.v_widths().shape[-1] for layer in cache.layers]
+    assert held == [15, 15, 150]
+    share = (0.3 * cache.fp16_bytes - 3 * (16 + 32 + 2)) / (sum(held) * (4 * 32 + 1))  # fixed bytes, 1-byte positions
+    assert kept == [int(share * n) for n in held] and kept[2] > 2 * kept[0]
+    assert 0.27 < cache.nbytes / cache.fp16_bytes <= 0.3
+
+
 def test_auto_picks_the_preset_for_the_attention_layout():
     """``auto`` (compress's default) is rdkv on an all-global model and rdkv-hybrid where sliding-window and
     global layers mix, with the preset's query windows capped at what the record kept."""

@@ -1,12 +1,14 @@
 """The RULER-style task generator (scripts/ruler.py) and its runner (scripts/eval_ruler.py)."""
 import argparse
 import collections
+import copy
 import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import rdkv
 
@@ -85,7 +87,7 @@ def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypa
     model, tok = rdkv.models.load("smollm2-135m")
     args = argparse.Namespace(contexts=[512], tasks=["niah_single", "multi_needle"], samples=1, seed=0,
                               protocols=["agnostic", "aware"], methods=["rdkv", "snapkv", "int4"], budgets=[0.25],
-                              haystack="prose")
+                              haystack="prose", presses=[])
     path = tmp_path / "run.jsonl"
     eval_ruler.run(args, model, tok, path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -107,3 +109,15 @@ def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypa
     eval_ruler.run(args, model, tok, path)
     again = [json.loads(line) for line in path.read_text().splitlines()]
     assert asked == [["snapkv"]] * len(lost) and sorted(r["key"] for r in again) == sorted(r["key"] for r in rows)
+
+
+def test_greedy_with_explicit_positions_answers_as_the_cache_length_does():
+    """kvpress's caches are decoded with explicit positions (they hold fewer tokens than they cover): on a full
+    cache, the answer with positions given from the prompt's length is the answer the cache's length gives."""
+    model, tok = rdkv.models.load("smollm2-135m")
+    s = ruler.sample("niah_single", tok, 512, 0, "prose")
+    (prefix, [(_, ids)]), = eval_ruler.prompts(tok, s, "aware", "cpu")
+    with torch.no_grad():
+        cache = model(prefix, use_cache=True).past_key_values
+    plain = eval_ruler.greedy(model, copy.deepcopy(cache), ids, 8, tok)
+    assert plain.strip() and eval_ruler.greedy(model, copy.deepcopy(cache), ids, 8, tok, prefix.shape[1]) == plain

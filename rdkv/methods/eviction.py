@@ -1,7 +1,9 @@
 """Eviction baselines: kept tokens in fp16, the rest dropped, ragged per head so the savings are real.
 
-Each keeps the same number of tokens per (layer, head) of a sequence, as many as the budget pays for at
-fp16 (V row, position and K row); AdaKV shares one count over a layer's heads.
+Each layer keeps the same share of the tokens it holds, as kvpress's presses do (``compression_ratio`` per
+layer), that share as large as the budget pays for at fp16 (V row, position and K row); AdaKV shares one
+count over a layer's heads. A sliding-window layer holds only its window, so it keeps fewer tokens than a
+global layer: one count for every layer would spend most of a hybrid model's bytes on its window layers.
 """
 from __future__ import annotations
 
@@ -18,14 +20,17 @@ from ..weights import layer_sums
 from .base import Allocation, HeldLayer, Method, identity_perm
 
 
-def keep_counts(layers: list[HeldLayer], fp16: list[int], budget: float, spec) -> list[int]:
-    """Tokens each (layer, head) of each sequence may keep in fp16 within ``budget`` x its fp16 bytes."""
+def keep_counts(layers: list[HeldLayer], fp16: list[int], budget: float, spec) -> list[list[int]]:
+    """Tokens each head of each layer may keep in fp16, per sequence ([layer][sequence]): the same share of
+    what each layer holds, within ``budget`` x the sequence's fp16 bytes."""
     per_token = fp16_token_bytes(layers[0].k.shape[-1], layers[0].stats.seen)
-    heads = sum(h.present.shape[1] for h in layers)
+    held = [h.present[:, 0].sum(-1).tolist() for h in layers]  # tokens per head, one count per sequence
     fixed = sum(fixed_bytes(h.k.shape[1], h.k.shape[-1], spec) for h in layers)
     if any(budget * f < fixed for f in fp16):
         raise Infeasible(f"the per-head metadata alone takes {fixed} bytes")
-    return [int((budget * f - fixed) // (per_token * heads)) for f in fp16]
+    slots = [sum(h.present.shape[1] * n[b] for h, n in zip(layers, held)) for b in range(len(fp16))]
+    share = [(budget * f - fixed) / (per_token * s) for f, s in zip(fp16, slots)]
+    return [[int(share[b] * n[b]) for b in range(len(fp16))] for n in held]
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,12 @@ class Evict(Method):
     def allocate(self, rec: Record, layers: list[HeldLayer], fp16: list[int], budget: float | None) -> Allocation:
         counts = keep_counts(layers, fp16, budget, self.spec)
         v, k = [], []
-        for h in layers:
+        for h, count in zip(layers, counts):
             B, H, T = h.present.shape
             score = self.scores(h).masked_fill(~h.present, float("-inf"))
             if self.always_kept():
                 score[..., max(0, T - self.always_kept()) :] = float("inf")
-            keep = torch.stack([self.keep(score[b], counts[b]) for b in range(B)]) & h.present
+            keep = torch.stack([self.keep(score[b], count[b]) for b in range(B)]) & h.present
             v.append(torch.where(keep, quant.OPTION[16], quant.OPTION[0]))
             k.append(torch.full((B, H, h.k.shape[-1] // self.spec.k_block), quant.OPTION[16], device=score.device))
         return Allocation(v, k, identity_perm(layers))
