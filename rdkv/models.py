@@ -66,11 +66,18 @@ ROUND_TRIP = "Keys and values, 2 + 2 = 4: the quick brown fox."
 
 
 def check_tokenizer(tokenizer: Any, path: Path) -> None:
-    """Refuse a tokenizer that does not give text back: every result computed with it would be garbage."""
-    back = tokenizer.decode(tokenizer(ROUND_TRIP, add_special_tokens=False).input_ids)
+    """Refuse a tokenizer that does not give text back, or that splits it into single characters (Gemma 3's
+    GGUF converted under transformers 5.2 does: 76 tokens for a sentence 5.24 reads as 26): every result
+    computed with it would be garbage, or about another prompt than the one meant."""
+    ids = tokenizer(ROUND_TRIP, add_special_tokens=False).input_ids
+    back = tokenizer.decode(ids)
     if back != ROUND_TRIP:
         raise RDKVError(f"the tokenizer in {path} does not round-trip text ({ROUND_TRIP!r} came back as {back!r}); "
                         "it was written by another transformers version: delete that folder so it is converted again")
+    if len(ids) > len(ROUND_TRIP) // 2:
+        raise RDKVError(f"the tokenizer in {path} splits text into single characters ({len(ids)} tokens for "
+                        f"{len(ROUND_TRIP)} characters): transformers {transformers.__version__} converted it without "
+                        "its merges; load the model under another transformers version (rdkv's results use 5.24)")
 
 
 def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,

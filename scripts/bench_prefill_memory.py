@@ -9,7 +9,14 @@
     python scripts/bench_prefill_memory.py --model gemma3-270m --contexts 8192 16384 32768
     python scripts/bench_prefill_memory.py --model gemma3-270m --contexts 4096 8192 16384 32768 --cap-gb 1.0
 
-Peak is the resident set sampled every 2 ms during the call, above the resident set just before it (the loaded
+On a GPU (``--device cuda``) peak and held are ``torch.cuda.max_memory_allocated`` / ``memory_allocated`` above
+what was allocated just before the call. ``--model llama-8b-random`` is Llama-3.1-8B's shape with random bf16
+weights and random token ids (scripts/bench_generate.py's configuration; memory does not depend on the weights'
+values, the allocation does, so its quality means nothing), ``llama-tiny-random`` a 2-layer one for checks:
+
+    python scripts/bench_prefill_memory.py --model llama-8b-random --dtype bfloat16 --device cuda --contexts 32768 131072 --paths full prefill prefill-layer
+
+On a CPU, peak is the resident set sampled every 2 ms during the call, above the resident set just before it (the loaded
 model, paged in by a 16-token forward, and the token ids); ``held`` is what stays resident once the call's garbage is gone and only its cache
 is kept. With ``--cap-gb G`` each cell instead runs under an address-space limit of G GiB above what the loaded
 process has mapped, and the table says which contexts each path completes.
@@ -30,6 +37,7 @@ import time
 import torch
 
 PATHS = ("full", "record", "record+compress", "prefill", "prefill-layer")
+RANDOM = ("llama-8b-random", "llama-tiny-random")  # random-weight shapes (scripts/bench_generate.py)
 
 
 def rss() -> int:
@@ -48,17 +56,32 @@ def cell(args) -> dict:
 
     torch.set_grad_enabled(False)
     torch.manual_seed(0)
-    model, tok = rdkv.models.load(args.model, dtype=getattr(torch, args.dtype))
     sys.path.insert(0, os.path.dirname(__file__))
-    from common import domain_text
+    dtype, gpu = getattr(torch, args.dtype), args.device == "cuda"
+    if args.model in RANDOM:
+        from bench_generate import LLAMA_8B, TINY
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    ids = tok(domain_text("prose"), return_tensors="pt").input_ids[:, : args.context]
-    assert ids.shape[1] == args.context, f"the text has only {ids.shape[1]} tokens"
+        cfg = LlamaConfig(**(LLAMA_8B if args.model == "llama-8b-random" else TINY))
+        with torch.device(args.device):
+            model = LlamaForCausalLM(cfg).to(dtype).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, args.context), device=args.device)
+    else:
+        from common import domain_text
+
+        model, tok = rdkv.models.load(args.model, dtype=dtype)
+        model.to(args.device)
+        ids = tok(domain_text("prose"), return_tensors="pt").input_ids[:, : args.context].to(args.device)
+        assert ids.shape[1] == args.context, f"the text has only {ids.shape[1]} tokens"
     model(ids[:, :16])  # pages the weights in: they are mapped from disk, resident only once read
     gc.collect()
     if args.cap_gb:
         resource.setrlimit(resource.RLIMIT_AS, (vm_size() + int(args.cap_gb * 2**30), resource.RLIM_INFINITY))
-    base, peak, done = rss(), [rss()], threading.Event()
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    used = (lambda: torch.cuda.memory_allocated()) if gpu else rss  # noqa: E731
+    base, peak, done = used(), [used()], threading.Event()
 
     def watch():
         while not done.is_set():
@@ -66,7 +89,8 @@ def cell(args) -> dict:
             time.sleep(0.002)
 
     watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    if not gpu:
+        watcher.start()
     t0 = time.perf_counter()
     try:
         if args.path == "full":
@@ -85,19 +109,23 @@ def cell(args) -> dict:
         else:
             cache = rdkv.prefill(model, ids, args.budget, mode="layer" if args.path == "prefill-layer" else "staged")
             nbytes = cache.nbytes
-    except (MemoryError, RuntimeError) as e:  # torch reports a refused allocation as a RuntimeError
+    except (MemoryError, RuntimeError) as e:  # torch reports a refused allocation as a RuntimeError (OOM too)
         done.set()
         return {"ok": False, "error": str(e).splitlines()[0][:120]}
+    if gpu:
+        torch.cuda.synchronize()
+        peak[0] = torch.cuda.max_memory_allocated()
     seconds = time.perf_counter() - t0
     done.set()
-    watcher.join()
+    if not gpu:
+        watcher.join()
     gc.collect()
-    return {"ok": True, "peak_mb": (max(peak[0], rss()) - base) / 1e6, "held_mb": (rss() - base) / 1e6,
+    return {"ok": True, "peak_mb": (max(peak[0], used()) - base) / 1e6, "held_mb": (used() - base) / 1e6,
             "cache_mb": nbytes / 1e6, "seconds": seconds}
 
 
 def run_cell(args, path: str, context: int) -> dict:
-    cmd = [sys.executable, __file__, "--cell", path, "--model", args.model, "--dtype", args.dtype,
+    cmd = [sys.executable, __file__, "--cell", path, "--model", args.model, "--dtype", args.dtype, "--device", args.device,
            "--contexts", str(context), "--budget", str(args.budget)] + (["--cap-gb", str(args.cap_gb)] if args.cap_gb else [])
     out = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -112,6 +140,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--cap-gb", type=float, default=None)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     ap.add_argument("--cell", choices=PATHS, help=argparse.SUPPRESS)
@@ -124,7 +153,8 @@ def main() -> None:
 
     print(f"Command: `python {' '.join(sys.argv)}`  \nMachine: {os.cpu_count()} CPUs ({platform.machine()}), torch "
           f"{torch.__version__}, transformers {transformers.__version__}; date {time.strftime('%Y-%m-%d')}; "
-          f"{args.model} {args.dtype}, budget {args.budget}\n")
+          f"{args.model} {args.dtype} on {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, "
+          f"budget {args.budget}\n")
     if args.cap_gb:
         print("| context | " + " | ".join(f"{p} under {args.cap_gb} GiB" for p in args.paths) + " |")
         print("|---|" + "---|" * len(args.paths))

@@ -17,7 +17,7 @@ after rdkv's rows, the model gets its own attention back, each press prefills th
 compression ratio 1 - budget, and the answer is decoded with no press active and explicit positions (an evicted
 cache is shorter than the positions it covers). A press is charged its K and V elements at 2 bytes each over the
 fp16 bytes of the full cache. kvpress needs transformers < 5.3: run in that environment, e.g.
-``/tmp/v52/bin/python eval_ruler.py ... --presses snapkv streaming knorm expected``.
+``/tmp/v52/bin/python eval_ruler.py ... --presses snapkv streaming knorm``.
 """
 from __future__ import annotations
 
@@ -28,8 +28,12 @@ from collections import defaultdict
 import torch
 from tqdm import tqdm
 
-import rdkv
-import ruler
+try:  # before rdkv: kvpress wraps every attention function registered when it is imported, rdkv's must not be one
+    import kvpress  # noqa: F401
+except ImportError:
+    kvpress = None
+import rdkv  # noqa: E402
+import ruler  # noqa: E402
 from common import RESULTS, compressions, header, needs_all_queries, parser, plot, publish, settings, split_method, table
 
 DEFAULT_METHODS = ["rdkv", "rdkv-aware", "snapkv", "adakv", "streaming", "knorm", "int4", "kivi4"]
@@ -76,7 +80,7 @@ def cases(args) -> list[tuple]:
 def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.Tensor, fp16: int, todo):
     """Yield (``kvpress:<press>``, budget, cache, bytes/fp16) for every press and budget ``todo(name, budget)`` asks
     for, with the model's own attention; AdaKV's head masks are cleared once each cache has been answered."""
-    import eval_kvpress as kvp  # imports kvpress, which patches transformers' attention functions
+    import eval_kvpress as kvp
 
     for name in presses:
         for b in budgets:
@@ -174,6 +178,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from the answers so far")
     args = ap.parse_args()
+    if args.presses and kvpress is None:
+        ap.error("--presses needs kvpress, which needs transformers < 5.3: run in that environment")
     if args.quick:
         args.samples, args.budgets = 1, [0.025, 0.1]
     tag = args.tag or ("quick" if args.quick else "full")

@@ -8,12 +8,14 @@
 #      its fastest setting beside SDPA, every ratio against the faster of the two;
 #   4. generate: end-to-end ms per token of a Llama-3.1-8B-shaped model (random bf16 weights) at 32k/128k,
 #      batch 1/8, full cache vs rdkv at 10%/25% (scripts/bench_generate.py);
-#   5. compress: the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py).
-# STAGES="tests bench generate compress" (the default) picks stages. Not in the default list: sweep (launch
+#   5. compress: the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py);
+#   6. prefill: peak GPU memory (torch.cuda.max_memory_allocated) of a plain prefill that keeps its cache against
+#      rdkv.prefill, Llama-3.1-8B-shaped (random bf16 weights) at 32k and 128k (scripts/bench_prefill_memory.py).
+# STAGES="tests bench generate compress prefill" (the default) picks stages. Not in the default list: sweep (launch
 # settings at one point, bench_decode.py --sweep), tune (the sweep, then the table with its fastest setting),
 # profile (one decode launch's hardware counters with ncu).
 # Run from the repository root. Results go to $OUT (default ./gpu_check_out): env.txt, tests.txt, bench.txt,
-# bench_decode.md/json, bench_generate.md/json, bench_compress_kernels.md/json. Exit status: non-zero if a
+# bench_decode.md/json, bench_generate.md/json, bench_compress_kernels.md/json, prefill_memory.md. Exit status: non-zero if a
 # stage failed.
 #
 #   OUT=/tmp/out bash scripts/gpu_check.sh
@@ -59,7 +61,7 @@ fi
 cat "$OUT/env.txt"
 
 status=0
-STAGES=${STAGES:-tests bench generate compress}
+STAGES=${STAGES:-tests bench generate compress prefill}
 stage() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
 
 if stage tests; then
@@ -111,6 +113,13 @@ if stage profile; then
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         --section LaunchStats --section SchedulerStats \
         "$PY" scripts/bench_decode.py --device cuda --contexts 131072 --batches 8 --budgets 0.1 --no-deq --quick 2>&1 | tee "$OUT/ncu.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if stage prefill; then
+    echo "== prefill peak GPU memory, Llama-3.1-8B shape, full cache vs rdkv.prefill =="
+    timeout "${PREFILL_TIMEOUT:-120}" "$PY" scripts/bench_prefill_memory.py --model llama-8b-random --dtype bfloat16 \
+        --device cuda --contexts ${PREFILL_CONTEXTS:-32768 131072} --paths full prefill prefill-layer 2>&1 | tee "$OUT/prefill_memory.md"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -38,3 +38,16 @@ def recorded(model, ids, **record_options):
     with rdkv.record(model, **record_options) as rec:
         out = model(ids, use_cache=True)
     return rec, out
+
+
+def load_real(name: str):
+    """``rdkv.models.load(name)``, skipped where this transformers version converts the model's tokenizer into
+    single characters, which load refuses (Gemma 3's GGUF under transformers 5.2, the compat suite's)."""
+    import rdkv
+
+    try:
+        return rdkv.models.load(name)
+    except rdkv.RDKVError as e:
+        if "single characters" not in str(e):
+            raise
+        pytest.skip(str(e))

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from conftest import load_real
 from test_kernel_decode import GRID, ROPE_GRID, _decode_logits, build, query, rope_table, width_mixes
 
 import rdkv
@@ -134,7 +135,7 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
     """A 1k-token prefill of each real model compressed at 10%, then 8 greedy tokens through each path: the
     same tokens, and logits within 2e-2. Measured: 1.8e-3 (SmolLM2) and 6.8e-3 (Gemma 3), float32 summation
     order differences grown through 30 and 18 layers, on logits of size ~10-30; a layout bug moves them by O(1)."""
-    model, tok = rdkv.models.load(name)
+    model, tok = load_real(name)
     ids = tok(rdkv.models.retrieval_prompt(1000, 0.5, tok)["context"], return_tensors="pt").input_ids
     with rdkv.record(model) as rec:
         model(ids[:, :-1], use_cache=True, logits_to_keep=1)

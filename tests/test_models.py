@@ -2,6 +2,7 @@
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,3 +117,16 @@ def test_a_tokenizer_that_does_not_round_trip_is_refused(smollm, tmp_path):
     broken.decode = lambda ids, **kw: tokenizer.decode(ids).replace(" ", "<|endoftext|>")
     with pytest.raises(models.RDKVError, match="does not round-trip.*delete that folder"):
         models.check_tokenizer(broken, tmp_path)
+
+
+def test_a_tokenizer_that_splits_text_into_characters_is_refused(tmp_path):
+    """It round-trips, so only the token count gives it away (Gemma 3's GGUF converted under transformers 5.2)."""
+    class CharLevel:
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    with pytest.raises(models.RDKVError, match=r"single characters \(48 tokens for 48 characters\)"):
+        models.check_tokenizer(CharLevel(), tmp_path)

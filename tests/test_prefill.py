@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import SMALL, tiny_gemma3, tiny_llama
+from conftest import SMALL, load_real, tiny_gemma3, tiny_llama
 
 import rdkv
 import rdkv.attention
@@ -121,7 +121,7 @@ def test_bad_input_is_refused_and_the_model_is_left_as_it_was(bad, match):
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_layerwise_cache_is_what_compress_packs(name):
-    model, tok = rdkv.models.load(name)
+    model, tok = load_real(name)
     probe = rdkv.models.retrieval_prompt(700, 0.5, tok)
     ids = tok(probe["context"], return_tensors="pt").input_ids
     want = compressed(model, ids)
