@@ -1,7 +1,7 @@
 """NVIDIA kvpress's own presses next to rdkv on the retrieval probes, charged for the bytes held.
 
-    /tmp/v52/bin/python scripts/eval_kvpress.py --quick
-    /tmp/v52/bin/python scripts/eval_kvpress.py --contexts 1000 2000 --budgets 0.025 0.05 0.1 0.25 0.5
+    python scripts/eval_kvpress.py --quick
+    python scripts/eval_kvpress.py --contexts 1000 2000 --budgets 0.025 0.05 0.1 0.25 0.5
 
 kvpress 0.5.5 needs transformers < 5.3, so this runs in an environment with transformers 5.2.x, kvpress
 and rdkv (editable) installed side by side. Probes and protocols are those of eval_retrieval.py:

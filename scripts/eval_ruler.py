@@ -16,8 +16,9 @@ where the model's weights are (``--device cuda`` on a GPU).
 after rdkv's rows, the model gets its own attention back, each press prefills the same prefix on a fresh cache at
 compression ratio 1 - budget, and the answer is decoded with no press active and explicit positions (an evicted
 cache is shorter than the positions it covers). A press is charged its K and V elements at 2 bytes each over the
-fp16 bytes of the full cache. kvpress needs transformers < 5.3: run in that environment, e.g.
-``/tmp/v52/bin/python eval_ruler.py ... --presses snapkv streaming knorm``.
+fp16 bytes of the full cache. kvpress needs transformers < 5.3: run from the environment eval_kvpress.py describes
+(``python eval_ruler.py ... --presses snapkv streaming knorm``). Gemma 3 cannot run there under its name:
+transformers 5.2 converts its tokenizer into single characters, which ``rdkv.models.load`` refuses.
 """
 from __future__ import annotations
 
