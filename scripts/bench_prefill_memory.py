@@ -80,7 +80,7 @@ def cell(args) -> dict:
     if gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    used = (lambda: torch.cuda.memory_allocated()) if gpu else rss  # noqa: E731
+    used = torch.cuda.memory_allocated if gpu else rss
     base, peak, done = used(), [used()], threading.Event()
 
     def watch():

@@ -78,11 +78,13 @@ def cases(args) -> list[tuple]:
     return [(task, n, k, p) for n in args.contexts for task in args.tasks for k in range(args.samples) for p in args.protocols]
 
 
-def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.Tensor, fp16: int, todo):
+def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.Tensor, full, todo):
     """Yield (``kvpress:<press>``, budget, cache, bytes/fp16) for every press and budget ``todo(name, budget)`` asks
-    for, with the model's own attention; AdaKV's head masks are cleared once each cache has been answered."""
+    for, with the model's own attention, charged against the ``full`` cache's fp16 bytes; AdaKV's head masks are
+    cleared once each cache has been answered."""
     import eval_kvpress as kvp
 
+    fp16 = kvp.held_bytes(full)
     for name in presses:
         for b in budgets:
             if todo(f"kvpress:{name}", b):
@@ -127,13 +129,12 @@ def run(args, model, tok, path) -> None:
                     continue
                 with rdkv.record(model, all_queries=all_queries) as rec:
                     full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-                fp16 = sum(2 * (layer.keys.numel() + layer.values.numel()) for layer in full.layers)
                 caches = [("full", None, full, 1.0)] + [
                     (m, b, c, c.nbytes / c.fp16_bytes) for m, b, c in compressions(rec, todo, args.budgets)]
                 answer_all(caches)
                 if pending:  # the presses run with the model's own attention, after rdkv's caches are answered
                     model.set_attn_implementation(plain)
-                    answer_all(press_caches(model, args.presses, args.budgets, prefix, fp16, missing), prefix.shape[1])
+                    answer_all(press_caches(model, args.presses, args.budgets, prefix, full, missing), prefix.shape[1])
 
 
 def summarise(rows: list[dict], tasks: list[str]) -> list[dict]:

@@ -128,5 +128,5 @@ def test_a_tokenizer_that_splits_text_into_characters_is_refused(tmp_path):
         def decode(self, ids):
             return "".join(map(chr, ids))
 
-    with pytest.raises(models.RDKVError, match=r"single characters \(48 tokens for 48 characters\)"):
+    with pytest.raises(models.TokenizerSplitsCharacters, match=r"single characters \(48 tokens for 48 characters\)"):
         models.check_tokenizer(CharLevel(), tmp_path)
