@@ -121,3 +121,25 @@ def test_greedy_with_explicit_positions_answers_as_the_cache_length_does():
         cache = model(prefix, use_cache=True).past_key_values
     plain = eval_ruler.greedy(model, copy.deepcopy(cache), ids, 8, tok)
     assert plain.strip() and eval_ruler.greedy(model, copy.deepcopy(cache), ids, 8, tok, prefix.shape[1]) == plain
+
+
+def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_layer(monkeypatch, capsys):
+    """scripts/diag_needles.py on SmolLM2: the four multi-key needles are found at the tokens that spell them, and
+    every layer gets one row per budget whose cells are shares of those tokens."""
+    import diag_needles
+    from conftest import load_real
+
+    model, tok = load_real("smollm2-135m")
+    s = ruler.sample("niah_multikey", tok, 1000, 0, "prose")
+    ids = eval_ruler.prompts(tok, s, "aware", "cpu")[0][0][0].tolist()
+    spans = diag_needles.needle_spans(tok, ids, s.context)
+    assert len(spans) == 4 and [p.start for _, _, p in spans] == sorted(p.start for _, _, p in spans)
+    for key, value, pos in spans:
+        assert value in tok.decode(ids[pos.start : pos.stop]) and key.split("-")[0] in tok.decode(ids[pos.start : pos.stop])
+    monkeypatch.setattr(diag_needles.rdkv.models, "load", lambda name: (model, tok))
+    monkeypatch.setattr(sys, "argv", ["diag_needles.py", "--model", "smollm2-135m", "--context", "1000", "--budgets", "0.1"])
+    diag_needles.main()
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 0.1 |")]
+    assert len(rows) == model.config.num_hidden_layers
+    shares = [int(c.split("%")[0]) for r in rows for c in r.split("|")[5:-1]]
+    assert len(shares) == 4 * len(rows) and all(0 <= x <= 100 for x in shares) and max(shares) > 0

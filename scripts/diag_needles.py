@@ -1,0 +1,79 @@
+"""Where do a RULER sample's needles go in a compressed cache? Per layer that can see them: each needle
+sentence's V widths, the layer's kept tokens and its mean K width.
+
+    python scripts/diag_needles.py --model gemma3-270m --task niah_multikey --context 16384 --sample 0 --method rdkv-aware --budgets 0.025 0.1
+
+One prefill of the sample as ``eval_ruler.py`` builds it (``--protocol aware``: the first question in the prompt;
+``agnostic``: the context alone), compressed by ``--method`` at each budget. Every line "One of the special magic
+numbers for <key> is: <value>." of the context is a needle (the asked one and its distractors); for each, the
+share of its tokens kept and the mean V width of those kept, in every layer whose window reaches it. A wrong
+answer that names a distractor's value says which needle the layers kept the model from telling apart.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+import ruler
+import torch
+from eval_ruler import prompts
+
+import rdkv
+
+NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
+
+
+def needle_spans(tok, ids: list[int], context: str) -> list[tuple[str, str, range]]:
+    """(key, value, token positions) of every needle sentence of the context, found in the prompt's ids."""
+    out = []
+    for m in NEEDLE.finditer(context):
+        sub = tok(m.group(0), add_special_tokens=False).input_ids
+        at = next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)
+        if at is None:  # the sentence tokenized with its neighbour: match it without its first token
+            sub = sub[1:]
+            at = next(i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub)
+        out.append((m.group(1), m.group(2), range(at, at + len(sub))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--task", default="niah_multikey", choices=ruler.TASKS)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
+    ap.add_argument("--protocol", default="aware", choices=("aware", "agnostic"))
+    ap.add_argument("--method", default="rdkv-aware")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.025, 0.1])
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    s = ruler.sample(args.task, tok, args.context, args.sample, "prose")
+    prefix = prompts(tok, s, args.protocol, "cpu")[0][0]
+    spans = needle_spans(tok, prefix[0].tolist(), s.context)
+    asked = s.questions[0].answers
+    print(f"{args.model}, {args.task} at {args.context} tokens, sample {args.sample}, {args.protocol}; asked: {asked}\n")
+    with rdkv.record(model) as rec:
+        model(prefix, use_cache=True, logits_to_keep=1)
+    print("| budget | layer | kept tokens | mean K bits | " + " | ".join(
+        f"{v}{' (asked)' if v in asked else ''} at {p.start}: kept, mean V bits" for _, v, p in spans) + " |")
+    print("|---|---|---|---|" + "---|" * len(spans))
+    for b in args.budgets:
+        cache = rdkv.compress(rec, b, method=args.method)
+        for li, layer in enumerate(cache.layers):
+            vw = layer.v_widths()[0].float()  # [H, held]
+            cells = []
+            for _, _, pos in spans:
+                if pos.start < layer.start:
+                    break
+                w = vw[:, pos.start - layer.start : pos.stop - layer.start]
+                kept = (w > 0).float().mean()
+                cells.append(f"{kept:.0%}, {w[w > 0].mean():.1f}" if kept > 0 else "0%")
+            if len(cells) < len(spans):
+                continue  # a sliding-window layer that holds none of the needles
+            print(f"| {b} | {li} | {int((vw > 0).sum())} of {vw.numel()} | {layer.k_widths().float().mean():.1f} | "
+                  + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
