@@ -11,11 +11,14 @@ machine's speed hits every row alike; ``--load`` repeats the measurement while a
 2-thread matmul, as a shared machine does. Ratios are against the full cache measured in the same run.
 ``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``), timed
 in the same turns, so a change to the path is measured against its predecessor on one machine state.
+``--keep-freed`` has glibc keep the memory a step frees (:func:`keep_freed_memory`) for every row alike.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
 import importlib.util
 import os
 import platform
@@ -47,6 +50,16 @@ def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
     model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens,
                    do_sample=False)
     return (time.perf_counter() - t) * 1e3 / tokens
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed blocks instead of returning each large one to the system, as
+    ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824`` do at startup: a decode step that
+    allocates megabytes of buffers then reuses the same pages instead of faulting fresh ones in."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)):
+        raise SystemExit("--keep-freed needs glibc's mallopt")
 
 
 def cpu_decode_at(rev: str) -> types.ModuleType:
@@ -95,14 +108,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--load", action="store_true", help="also measure beside a competing 2-thread matmul")
     ap.add_argument("--compare", metavar="REV", help="also time rdkv/cpu_decode.py as it was at this git revision")
+    ap.add_argument("--keep-freed", action="store_true", help="have glibc keep freed memory (every row alike)")
     args = ap.parse_args()
+    if args.keep_freed:
+        keep_freed_memory()
     previous = cpu_decode_at(args.compare) if args.compare else None
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     plain = model.config._attn_implementation
     print(f"{args.model} fp32, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; greedy generate of {args.tokens} tokens, "
-          f"best of {args.repeats}\n")
+          f"best of {args.repeats}{'; glibc keeps freed memory' if args.keep_freed else ''}\n")
     names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "reference": "oracle"}
     paths = [p for p in names if p != "previous" or previous]
     cols = ["full"] + [f"{p} {x:g}" for p in paths for x in args.budgets]

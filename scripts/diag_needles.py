@@ -6,7 +6,8 @@ sentence's V widths, the layer's kept tokens and its mean K width.
 One prefill of the sample as ``eval_ruler.py`` builds it (``--protocol aware``: the first question in the prompt;
 ``agnostic``: the context alone), compressed by ``--method`` at each budget. Every line "One of the special magic
 numbers for <key> is: <value>." of the context is a needle (the asked one and its distractors); for each, the
-share of its tokens kept and the mean V width of those kept, in every layer whose window reaches it. A wrong
+share of its tokens kept and the mean V width of those kept, in every layer that holds all the needles
+(a sliding-window layer holds only its window). A wrong
 answer that names a distractor's value says which needle the layers kept the model from telling apart.
 """
 from __future__ import annotations
@@ -28,10 +29,12 @@ def needle_spans(tok, ids: list[int], context: str) -> list[tuple[str, str, rang
     out = []
     for m in NEEDLE.finditer(context):
         sub = tok(m.group(0), add_special_tokens=False).input_ids
-        at = next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)
-        if at is None:  # the sentence tokenized with its neighbour: match it without its first token
-            sub = sub[1:]
-            at = next(i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub)
+        for sub in (sub, sub[1:]):  # the second try: the first token merged with the text before it
+            at = next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)
+            if at is not None:
+                break
+        else:
+            raise ValueError(f"needle {m.group(0)!r} is not in the prompt's tokens")
         out.append((m.group(1), m.group(2), range(at, at + len(sub))))
     return out
 
