@@ -6,9 +6,9 @@ sentence's V widths, the layer's kept tokens and its mean K width.
 One prefill of the sample as ``eval_ruler.py`` builds it (``--protocol aware``: the first question in the prompt;
 ``agnostic``: the context alone), compressed by ``--method`` at each budget. Every line "One of the special magic
 numbers for <key> is: <value>." of the context is a needle (the asked one and its distractors); for each, the
-share of its tokens kept and the mean V width of those kept, in every layer that holds all the needles
-(a sliding-window layer holds only its window). A wrong
-answer that names a distractor's value says which needle the layers kept the model from telling apart.
+share of its tokens kept and the mean V width of those kept, in every layer that holds all the needles (a
+sliding-window layer holds only its window). A wrong answer that names a distractor's value points at the layers
+that kept the distractor and not the asked needle.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def main() -> None:
                 kept = (w > 0).float().mean()
                 cells.append(f"{kept:.0%}, {w[w > 0].mean():.1f}" if kept > 0 else "0%")
             if len(cells) < len(spans):
-                continue  # a sliding-window layer that holds none of the needles
+                continue  # a sliding-window layer that does not hold every needle
             print(f"| {b} | {li} | {int((vw > 0).sum())} of {vw.numel()} | {layer.k_widths().float().mean():.1f} | "
                   + " | ".join(cells) + " |")
 
