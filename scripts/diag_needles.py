@@ -13,7 +13,6 @@ that kept the distractor and not the asked needle.
 from __future__ import annotations
 
 import argparse
-import re
 
 import ruler
 import torch
@@ -21,13 +20,10 @@ from eval_ruler import prompts
 
 import rdkv
 
-NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")
-
-
 def needle_spans(tok, ids: list[int], context: str) -> list[tuple[str, str, range]]:
     """(key, value, token positions) of every needle sentence of the context, found in the prompt's ids."""
     out = []
-    for m in NEEDLE.finditer(context):
+    for m in ruler.NEEDLE.finditer(context):
         sub = tok(m.group(0), add_special_tokens=False).input_ids
         for sub in (sub, sub[1:]):  # the second try: the first token merged with the text before it
             at = next((i for i in range(len(ids) - len(sub) + 1) if ids[i : i + len(sub)] == sub), None)

@@ -131,6 +131,9 @@ def _needle(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
+NEEDLE = re.compile(r"One of the special magic numbers for (\S+) is: (\d+)\.")  # (key, value) of a _needle line
+
+
 def _ask_one(key: str, value: str) -> Question:
     return Question(f"\n\nQuestion: What is the special magic number for {key} mentioned in the provided text?\n"
                     f"Answer: The special magic number for {key} mentioned in the provided text is", (value,))

@@ -40,7 +40,7 @@ def test_needles_sit_at_their_depths_and_distractors_are_other_keys():
     at = [s.context.index(q.answers[0]) / len(s.context) for q in s.questions]
     assert at == sorted(at) and all(abs(a - d) < 0.08 for a, d in zip(at, (0.2, 0.5, 0.8)))
     m = ruler.sample("niah_multikey", words, 3000, seed=0)
-    needles = re.findall(r"special magic numbers for (\S+) is: (\d+)\.", m.context)
+    needles = ruler.NEEDLE.findall(m.context)
     assert len(needles) == 4 and len({k for k, _ in needles}) == 4
     assert (m.questions[0].text.split(" for ")[1].split(" mentioned")[0], m.questions[0].answers[0]) in needles
 
