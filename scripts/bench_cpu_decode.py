@@ -8,7 +8,10 @@ One prefill per context (GPL-3 text, fp32 model), compressed at each budget; the
 rdkv's vectorised CPU decode (``RDKV_BACKEND=torch``, the default on CPU) and the pure-torch oracle
 (``RDKV_BACKEND=reference``). Every row is the best of ``--repeats`` runs, taken in turns so drift in the
 machine's speed hits every row alike; ``--load`` repeats the measurement while another process runs a
-2-thread matmul, as a shared machine does. Ratios are against the full cache measured in the same run.
+2-thread matmul, as a shared machine does. Each machine state is measured twice, with torch's thread count
+as it is and with one thread (what a user of a shared machine may set), every path in both; ratios are against
+the faster full cache of the two (the CPU decode path itself drops to one thread for its own steps while it
+finds the cores contended, :class:`rdkv.cpu_decode.Contention`).
 ``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``), timed
 in the same turns, so a change to the path is measured against its predecessor on one machine state.
 ``--keep-freed`` has glibc keep the memory a step frees (:func:`keep_freed_memory`) for every row alike.
@@ -82,20 +85,25 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
     current = cpu_decode.trizone_attention
     paths = [("torch", "torch", current)] + ([("previous", "torch", previous.trizone_attention)] if previous else [])
     paths.append(("reference", "reference", current))
+    most = torch.get_num_threads()
     for _ in range(repeats):
-        model.set_attn_implementation(plain)  # the full cache runs transformers' own attention
-        best["full"] = min(best.get("full", 1e9), ms_per_token(model, ids, full, tokens))
-        rdkv.install(model)
-        try:
-            for name, backend, fn in paths:
-                os.environ["RDKV_BACKEND"] = backend
-                cpu_decode.trizone_attention = fn
-                for budget, cache in caches.items():
-                    key = f"{name} {budget:g}"
-                    best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
-        finally:
-            cpu_decode.trizone_attention = current
-            os.environ.pop("RDKV_BACKEND")
+        for threads in (most, 1):
+            torch.set_num_threads(threads)
+            model.set_attn_implementation(plain)  # the full cache runs transformers' own attention
+            key = f"{threads} full"
+            best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, full, tokens))
+            rdkv.install(model)
+            try:
+                for name, backend, fn in paths:
+                    os.environ["RDKV_BACKEND"] = backend
+                    cpu_decode.trizone_attention = fn
+                    for budget, cache in caches.items():
+                        key = f"{threads} {name} {budget:g}"
+                        best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
+            finally:
+                cpu_decode.trizone_attention = current
+                os.environ.pop("RDKV_BACKEND")
+                torch.set_num_threads(most)
     return best
 
 
@@ -121,10 +129,10 @@ def main() -> None:
           f"best of {args.repeats}{'; glibc keeps freed memory' if args.keep_freed else ''}\n")
     names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "reference": "oracle"}
     paths = [p for p in names if p != "previous" or previous]
-    cols = ["full"] + [f"{p} {x:g}" for p in paths for x in args.budgets]
-    print("| context | machine | full cache ms/token | " + " | ".join(
+    cols = [f"{p} {x:g}" for p in paths for x in args.budgets]
+    print("| context | machine | threads | full cache ms/token | " + " | ".join(
         f"rdkv {x:.0%} ({names[p]})" for p in paths for x in args.budgets) + " |")
-    print("|---" * (len(cols) + 2) + "|")
+    print("|---" * (len(cols) + 4) + "|")
     for n in args.contexts:
         ids = text_ids(tok, n)
         with rdkv.record(model) as rec:
@@ -141,8 +149,12 @@ def main() -> None:
                 if load:
                     load.kill()
                     load.wait()
-            cells = [f"{best['full']:.0f}"] + [f"{best[c]:.0f} ({best[c] / best['full']:.2f}x)" for c in cols[1:]]
-            print(f"| {n:,} | {'2-thread matmul beside' if loaded else 'idle'} | " + " | ".join(cells) + " |", flush=True)
+            ref = min(v for k, v in best.items() if k.endswith(" full"))
+            for threads in sorted({int(k.split()[0]) for k in best}, reverse=True):
+                cells = [f"{best[f'{threads} full']:.0f}"] + [
+                    f"{best[f'{threads} {c}']:.0f} ({best[f'{threads} {c}'] / ref:.2f}x)" for c in cols]
+                print(f"| {n:,} | {'2-thread matmul beside' if loaded else 'idle'} | {threads} | " + " | ".join(cells)
+                      + " |", flush=True)
         del full, caches
 
 

@@ -96,11 +96,19 @@ def test_folds_and_other_pack_specs():
         check(layer, query(layer, 2, 3, torch.float16))
 
 
-def test_nothing_is_kept_between_steps():
+def test_what_a_step_keeps_is_counted_and_built_once():
+    """The first step keeps the segment's gather offsets in ``decode_state``,
+    which ``nbytes`` counts: under 2% of the packed bytes here (a few hundred bytes; the layer packs ~20 kB).
+    Later steps reuse them and keep nothing more; the packed tensors are untouched."""
     layer = build(seed=11, B=2, H=2, T=100, D=64, n_c=2)
-    before = layer.nbytes, set(layer.t), layer.__dict__.keys() - {"t"}
+    packed, names = layer.nbytes, set(layer.t)
     check(layer, query(layer, 2, 1, torch.float32))
-    assert (layer.nbytes, set(layer.t), layer.__dict__.keys() - {"t"}) == before
+    state = dict(layer.decode_state)
+    kept = layer.nbytes - packed
+    assert kept == cpu_decode.plan(layer).nbytes and 0 < kept < 0.02 * packed
+    check(layer, query(layer, 2, 1, torch.float32))
+    assert layer.nbytes == packed + kept and set(layer.t) == names
+    assert all(layer.decode_state[k] is v for k, v in state.items()) and layer.decode_state.keys() == state.keys()
 
 
 def test_cpu_tensors_take_the_fast_path_and_reference_selects_the_oracle(monkeypatch):
@@ -163,3 +171,26 @@ def test_decode_runs_in_inference_mode_only_when_no_gradient_is_wanted():
     out.add_(1.0)
     with torch.enable_grad():
         assert trizone_decode(q.requires_grad_(True), layer, 0.125).requires_grad
+
+
+def test_contention_moves_to_one_thread_and_back():
+    """Shares as measured on 2 cores (scripts/bench_cpu_decode.py's load): ~1.0 idle, ~0.5 on all threads beside a
+    2-thread matmul, 0.6-1.0 on one thread there."""
+    c = cpu_decode.Contention()
+    seen = []
+    for share in [1.0] * 3 + [0.5] * 3 + [0.65, 1.0, 0.7, 0.8, 1.0, 0.63] + [1.0] * 12:
+        c.record(share, 1.0)
+        seen.append(c.threads(2))
+    assert seen[:3] == [2] * 3  # idle
+    assert seen[3] == 2 and seen[4:12] == [1] * 8  # two contended steps to enter; a lucky step does not leave
+    assert seen[12:16] == [1] * 4 and seen[-1] == 2  # an idle machine again: back to all threads within ~8 steps
+    c.record(2.0, 1.0)  # CPU time above wall time (another thread's clock) counts as a full share
+    assert c.share <= 1.0
+
+
+def test_a_step_restores_torch_threads():
+    layer = build(seed=12, B=1, H=2, T=80, D=64, n_c=1)
+    most = torch.get_num_threads()
+    for _ in range(4):
+        check(layer, query(layer, 2, 1, torch.float32))
+        assert torch.get_num_threads() == most
