@@ -8,8 +8,9 @@ points into one bias, so no dequantized key is formed; causality is never evalua
 whose positions all precede every query; the scores of every segment and of zone C go through one softmax.
 
 What the gathers need besides the codes (row offsets per class, stream and block, the scale row of every
-token group) is derived from the stored counts and widths once per segment, by :func:`plan`, and kept with
-the segment (a few hundred bytes, counted in ``nbytes``); a step then issues ~50 ops per segment.
+token group) is derived from the stored counts and widths by :func:`plan`, with a few broadcasts, never per
+token run. Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts (keeping the plan saved
+no measurable time through ``generate``, docs/benchmarks.md).
 :func:`plan` and :func:`read_segment` are the only functions here that know the packed layout.
 
 Steps run on one thread while other work holds the cores (:class:`Contention`).
@@ -17,7 +18,7 @@ Steps run on one thread while other work holds the cores (:class:`Contention`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +47,7 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
 
 @dataclass
 class Plan:
-    """The gather offsets of one packed segment, derived once from its counts and widths.
+    """The gather offsets of one packed segment, derived from its counts and widths.
 
     N rows per stream (whole K token groups), ``total`` V rows and ``k_rows`` K rows in storage order, the
     stored rows of each V class and K width; per stream its kept count ``n`` [S, 1] and first row in ``pos``
@@ -69,15 +70,9 @@ class Plan:
     k_step: torch.Tensor
     k_meta: torch.Tensor
 
-    @property
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor))
-
 
 def plan(seg: TriZoneLayer) -> Plan:
-    """The segment's :class:`Plan`, computed on first use and kept in ``seg.decode_state`` (packed tensors never change)."""
-    if (p := seg.decode_state.get("cpu_plan")) is not None:
-        return p
+    """The segment's :class:`Plan`."""
     t, spec, S, dev = seg.t, seg.spec, seg.batch * seg.heads, seg.device
     kb, kg = spec.k_block, spec.k_group
     nb = seg.head_dim // kb
@@ -109,12 +104,10 @@ def plan(seg: TriZoneLayer) -> Plan:
     g = torch.arange(ngm, device=dev).view(1, ngm, 1)
     k_width_rows = torch.zeros(len(quant.WIDTHS), dtype=torch.long, device=dev)
     k_width_rows.index_add_(0, torch.searchsorted(torch.tensor(quant.WIDTHS, device=dev), pw), rows)
-    p = Plan(N=N, total=int(n.sum()), k_rows=int(rows.sum()), v_class_rows=v_class_rows.tolist(),
+    return Plan(N=N, total=int(n.sum()), k_rows=int(rows.sum()), v_class_rows=v_class_rows.tolist(),
              k_width_rows=k_width_rows.tolist(), n=n.unsqueeze(1), first=(torch.cumsum(n, 0) - n).unsqueeze(1),
              v_bounds=bounds, v_base=v_base, k_base=table[0].int(), k_step=(bits != 0).int().unsqueeze(1),
              k_meta=torch.where(g < table[2], table[1] + g, 0).flatten().int())
-    seg.decode_state["cpu_plan"] = p
-    return p
 
 
 def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
@@ -181,7 +174,7 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
             m += gw
         a += rows
     # row (s * N + i) * nb + b: block b of token i of stream s
-    K = flat.index_select(0, torch.addcmul(p.k_base, p.k_step, i.int().view(1, N, 1)).flatten())  # int32: 4x faster
+    K = flat.index_select(0, torch.addcmul(p.k_base, p.k_step, i.int().view(1, N, 1)).flatten())  # int32: ~3x faster
     sz = meta.index_select(0, p.k_meta)  # per (stream, group, block)
     ngm, nb = N // spec.k_group, D // kb
     if not rope_keys:
@@ -196,12 +189,13 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
 class Contention:
     """Whether other work holds this machine's cores, from the CPU time the calling thread got during steps.
 
-    A step is ~50 ops of tens to hundreds of microseconds. On an idle machine all threads run it ~1.3x faster
-    than one, and the calling thread is on a core for the whole step. When another process keeps the cores busy,
-    each op's parallel region waits for a descheduled thread: the calling thread then gets about half of the
-    step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share`` is a running
-    mean of that fraction over recent steps of every layer; below ``enter`` the path runs on one thread, until it
-    climbs back above ``leave`` (one thread on a contended machine still loses its core now and then: ~0.6-0.8).
+    A step is ~200 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
+    faster than one, and the calling thread is on a core for the whole step. When another process keeps the
+    cores busy, each op's parallel region waits for a descheduled thread: the calling thread then gets about
+    half of the step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share``
+    is a running mean of that fraction over recent steps of every layer; below ``enter`` the path runs on one
+    thread, until it climbs back above ``leave`` (one thread on a contended machine still loses its core now
+    and then: ~0.6-0.8).
     """
 
     share: float = 1.0

@@ -21,8 +21,7 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
   segments of the same layout (each a :class:`TriZoneLayer` without a zone C) covering positions
   ``[fold.start, fold.prefix_len)``; ``qwin`` then holds the last decode queries the next fold weighs by.
 
-``nbytes`` is the sum of every tensor the layer and its folds hold, including what a decode path keeps between
-steps (``decode_state``: the CPU path's gather offsets, derived once from the packed tensors, a few hundred bytes).
+``nbytes`` is the sum of every tensor the layer and its folds hold; no other state is kept.
 """
 from __future__ import annotations
 
@@ -155,7 +154,6 @@ class TriZoneLayer(CacheLayerMixin):
         self.c_start = prefix_len  # absolute position of zone C's first token
         self.folds: list[TriZoneLayer] = []
         self.fold = None  # a rdkv.fold.FoldPolicy, or None: zone C grows without bound
-        self.decode_state: dict[str, object] = {}  # what a decode path keeps between steps, each part with .nbytes
 
     # --- transformers cache-layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -197,8 +195,7 @@ class TriZoneLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        return (sum(t.numel() * t.element_size() for t in self.t.values()) + sum(f.nbytes for f in self.folds)
-                + sum(d.nbytes for d in self.decode_state.values()))
+        return sum(t.numel() * t.element_size() for t in self.t.values()) + sum(f.nbytes for f in self.folds)
 
     def segments(self) -> list[TriZoneLayer]:
         """The packed segments decode reads: the compressed prefix, then every fold."""

@@ -4,8 +4,10 @@
 
 One prefill of GPL-3 text, compressed at ``--budget``; then one new token's attention over layer ``--layer``:
 median microseconds of ``rdkv.cpu_decode``, ``rdkv.reference`` and SDPA over the same layer's full fp32 cache,
-with 2 and 1 threads, on an idle machine and beside a 2-thread matmul; then torch.profiler's top ops of the
-CPU path.
+with 2 and 1 threads, on an idle machine and beside a 2-thread matmul, and the share of the CPU path's wall
+time its calling thread was on a core (what :class:`rdkv.cpu_decode.Contention` reads; its switch to one
+thread is held off here, so each row runs on the threads it names); then the bytes the CPU path keeps between
+steps (none), its top-level torch ops per step and torch.profiler's top ops.
 """
 from __future__ import annotations
 
@@ -21,14 +23,16 @@ import rdkv
 from rdkv import cpu_decode, reference
 
 
-def median_us(f, n: int = 15) -> float:
+def median_us(f, n: int = 15) -> tuple[float, float]:
+    """Median wall µs of ``f`` and the calling thread's CPU time over the wall time of all ``n`` calls."""
     f()
     ts = []
+    cpu = time.thread_time()
     for _ in range(n):
         t = time.perf_counter()
         f()
         ts.append(time.perf_counter() - t)
-    return sorted(ts)[n // 2] * 1e6
+    return sorted(ts)[n // 2] * 1e6, (time.thread_time() - cpu) / sum(ts)
 
 
 def main() -> None:
@@ -43,10 +47,12 @@ def main() -> None:
     with rdkv.record(model) as rec:
         full = model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1).past_key_values
     layer = rdkv.compress(rec, args.budget).layers[args.layer]
+    cpu_decode.CONTENTION.enter = 0.0  # each row runs on the threads it names
     k, v = full.layers[args.layer].keys, full.layers[args.layer].values
     B, H, _, D = k.shape
     G = model.config.num_attention_heads // H
     layer.update(k[:, :, -1:], v[:, :, -1:])  # one new token in zone C
+    packed = layer.nbytes
     q = torch.randn(B, H * G, 1, D)
     scaling = D ** -0.5
     paths = {"CPU path": lambda: cpu_decode.trizone_attention(q, layer, scaling),
@@ -54,7 +60,8 @@ def main() -> None:
              "SDPA, full layer": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
     print(f"{args.model} layer {args.layer}, {args.tokens} tokens, budget {args.budget}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}; median µs of one decode step's attention\n")
-    print("| machine | threads | " + " | ".join(paths) + " |\n|---|---|" + "---|" * len(paths))
+    print("| machine | threads | " + " | ".join(paths) + " | CPU path: calling thread's share of the wall time |\n"
+          "|---|---|" + "---|" * (len(paths) + 1))
     for loaded in (False, True):
         load = subprocess.Popen([sys.executable, "-c", LOAD]) if loaded else None
         try:
@@ -62,8 +69,10 @@ def main() -> None:
                 time.sleep(2)
             for threads in (2, 1):
                 torch.set_num_threads(threads)
-                cells = " | ".join(f"{median_us(f):.0f}" for f in paths.values())
-                print(f"| {'2-thread matmul beside' if loaded else 'idle'} | {threads} | {cells} |", flush=True)
+                timed = [median_us(f) for f in paths.values()]
+                cells = " | ".join(f"{us:.0f}" for us, _ in timed)
+                print(f"| {'2-thread matmul beside' if loaded else 'idle'} | {threads} | {cells} | {timed[0][1]:.2f} |",
+                      flush=True)
         finally:
             torch.set_num_threads(2)
             if load:
@@ -73,7 +82,9 @@ def main() -> None:
 
     with profile() as prof:
         paths["CPU path"]()
-    print("\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print(f"\nkept between steps: {layer.nbytes - packed:,} B; {sum(e.cpu_parent is None for e in prof.events())} "
+          "top-level torch ops per step")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":
