@@ -73,6 +73,7 @@ def cpu_decode_at(rev: str) -> types.ModuleType:
     spec = importlib.util.spec_from_loader("rdkv._cpu_decode_at_rev", loader=None)
     module = importlib.util.module_from_spec(spec)
     module.__package__ = "rdkv"  # its relative imports resolve against the installed package
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     exec(compile(src, f"{rev}:rdkv/cpu_decode.py", "exec"), module.__dict__)
     return module
 
