@@ -7,11 +7,9 @@ permuted instead (q . k = q[perm] . k[perm]) and each token group's K scales are
 points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix,
 whose positions all precede every query; the scores of every segment and of zone C go through one softmax.
 
-What the gathers need besides the codes (row offsets per class, stream and block, the scale row of every
-token group) is derived from the stored counts and widths by :func:`plan`, with a few broadcasts, never per
-token run. Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts (keeping the plan saved
+:func:`read_segment` is the only function here that knows the packed layout.
+Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts (keeping the gather offsets saved
 no measurable time through ``generate``, docs/benchmarks.md).
-:func:`plan` and :func:`read_segment` are the only functions here that know the packed layout.
 
 Steps run on one thread while other work holds the cores (:class:`Contention`).
 """
@@ -45,71 +43,6 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
         slots[..., i].copy_(plane if i == per - 1 else plane & mask)
 
 
-@dataclass
-class Plan:
-    """The gather offsets of one packed segment, derived from its counts and widths.
-
-    N rows per stream (whole K token groups), ``total`` V rows and ``k_rows`` K rows in storage order, the
-    stored rows of each V class and K width; per stream its kept count ``n`` [S, 1] and first row in ``pos``
-    ``first`` [S, 1], the class bounds ``v_bounds`` [S, 4] and the storage row of each class's first token
-    minus its index in the stream ``v_base`` [S, 4]; per (stream, block) the first K row ``k_base`` and the row
-    step per token ``k_step`` [S, 1, nb] (0 for a width-0 block: its channel means); ``k_meta`` the scale/zero
-    row of each (stream, K group, block) [S * N / k_group * nb] (0: scale 1, zero 0).
-    """
-
-    N: int
-    total: int
-    k_rows: int
-    v_class_rows: list[int]
-    k_width_rows: list[int]
-    n: torch.Tensor
-    first: torch.Tensor
-    v_bounds: torch.Tensor
-    v_base: torch.Tensor
-    k_base: torch.Tensor
-    k_step: torch.Tensor
-    k_meta: torch.Tensor
-
-
-def plan(seg: TriZoneLayer) -> Plan:
-    """The segment's :class:`Plan`."""
-    t, spec, S, dev = seg.t, seg.spec, seg.batch * seg.heads, seg.device
-    kb, kg = spec.k_block, spec.k_group
-    nb = seg.head_dim // kb
-    counts = t["v_counts"].long()
-    n = counts.sum(1)
-    ngm = -(-int(n.max()) // kg) if S else 0  # K scale groups of the longest stream
-    N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
-
-    # V: classes 2, 4, 8, 16 in turn, each stream-major; the i-th token of stream s is in the class c whose
-    # bounds hold i, at row (the class's first row) + (its rows in earlier streams) + (i - the class's first
-    # index in the stream)
-    v_class_rows = counts.sum(0)
-    bounds = torch.cumsum(counts, 1)
-    v_base = (torch.cumsum(v_class_rows, 0) - v_class_rows) + (torch.cumsum(counts, 0) - counts) - (bounds - counts)
-
-    # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order
-    # (one channel-mean row for width 0), then N zero rows; token i of stream s reads row base + step * i of
-    # each block's pair, and its group's (scale, zero), or (1, 0) where a block stores values
-    bits = t["k_bits"].long()  # [S, nb]
-    pw = bits.T.flatten()  # width of pair b * S + s
-    pair = torch.argsort(pw * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
-    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
-    rows = torch.where(pw == 0, 1, n[ps])  # stored rows per pair
-    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
-    groups = (n[ps] + kg - 1) // kg * packed
-    table = torch.empty(3, nb * S, dtype=torch.long, device=dev)  # per pair b * S + s: row base, group base, groups
-    table[:, pair] = torch.stack([torch.cumsum(rows, 0) - rows, 1 + torch.cumsum(groups, 0) - groups, groups])
-    table = table.view(3, nb, S).transpose(1, 2).unsqueeze(2)  # [3, S, 1, nb]
-    g = torch.arange(ngm, device=dev).view(1, ngm, 1)
-    k_width_rows = torch.zeros(len(quant.WIDTHS), dtype=torch.long, device=dev)
-    k_width_rows.index_add_(0, torch.searchsorted(torch.tensor(quant.WIDTHS, device=dev), pw), rows)
-    return Plan(N=N, total=int(n.sum()), k_rows=int(rows.sum()), v_class_rows=v_class_rows.tolist(),
-             k_width_rows=k_width_rows.tolist(), n=n.unsqueeze(1), first=(torch.cumsum(n, 0) - n).unsqueeze(1),
-             v_bounds=bounds, v_base=v_base, k_base=table[0].int(), k_step=(bits != 0).int().unsqueeze(1),
-             k_meta=torch.where(g < table[2], table[1] + g, 0).flatten().int())
-
-
 def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
         torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Zones A+B of one packed segment as dense float32 tensors, one row per kept token of each stream.
@@ -125,21 +58,34 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
 
     Every class is unpacked into one buffer in storage order, ending in zero rows; one index gather per
     zone then reads the dense rows from it (a gather is several times faster than a scatter of the same
-    rows on a CPU), so the op count does not grow with the number of classes.
+    rows on a CPU), so the op count does not grow with the number of classes. The gather indices are
+    computed from the per-stream counts and per-block widths with a few broadcasts, never per token run.
     """
-    t, D, spec, p = seg.t, seg.head_dim, seg.spec, plan(seg)
-    S, N, dev, kb = seg.batch * seg.heads, p.N, seg.device, spec.k_block
+    t, D, spec = seg.t, seg.head_dim, seg.spec
+    S, dev = seg.batch * seg.heads, seg.device
+    kb, kg = spec.k_block, spec.k_group
+    nb = D // kb
+    counts = t["v_counts"].long()
+    n = counts.sum(1)
+    total = int(n.sum())
+    ngm = -(-int(n.max()) // kg) if S else 0  # K scale groups of the longest stream
+    N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
     i = torch.arange(N, device=dev)
-    kept = i < p.n  # [S, N]
+    kept = i < n.unsqueeze(1)  # [S, N]
     rope_keys = "rope" in t
     pos = None
     if positions or rope_keys:  # stream s's tokens follow those of the streams before it in ``pos``
-        pos = t["pos"].long().index_select(0, (p.first + i).clamp_(max=max(p.total - 1, 0)).flatten()).view(S, N)
+        first = (torch.cumsum(n, 0) - n).unsqueeze(1) + i
+        pos = t["pos"].long().index_select(0, first.clamp_(max=max(total - 1, 0)).flatten()).view(S, N)
 
-    flat = torch.empty(p.total + 1, D, device=dev)
-    flat[p.total] = 0
+    # V: classes 2, 4, 8, 16 in turn, each stream-major; the i-th token of stream s is in the class c whose
+    # bounds hold i, at row (the class's first row) + (its rows in earlier streams) + (i - the class's first
+    # index in the stream)
+    rows_per_class = counts.sum(0)
+    flat = torch.empty(total + 1, D, device=dev)
+    flat[total] = 0
     a = 0
-    for w, rows in zip(V_CLASSES, p.v_class_rows):
+    for w, rows in zip(V_CLASSES, rows_per_class.tolist()):
         if not rows:
             continue
         out = flat[a : a + rows]
@@ -150,37 +96,54 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
             g = out.view(rows, -1, spec.v_group_of(w))
             g.mul_(t[f"v{w}.scale"].unsqueeze(-1)).add_(t[f"v{w}.zero"].unsqueeze(-1))
         a += rows
-    cls = torch.searchsorted(p.v_bounds, i.expand(S, N).contiguous(), right=True).clamp_(max=len(V_CLASSES) - 1)
-    V = flat.index_select(0, torch.where(kept, p.v_base.gather(1, cls) + i, p.total).flatten()).view(S, N, D)
+    bounds = torch.cumsum(counts, 1)
+    base = (torch.cumsum(rows_per_class, 0) - rows_per_class) + (torch.cumsum(counts, 0) - counts) - (bounds - counts)
+    cls = torch.searchsorted(bounds, i.expand(S, N).contiguous(), right=True).clamp_(max=len(V_CLASSES) - 1)
+    V = flat.index_select(0, torch.where(kept, base.gather(1, cls) + i, total).flatten()).view(S, N, D)
 
-    flat = torch.empty(p.k_rows + N, kb, device=dev)
-    flat[p.k_rows :] = 0  # rows past a stream's count read on into the next pair's rows or these zeros
-    meta = torch.empty(1 + sum(len(t[f"k{w}.scale"]) for w in quant.PACKED), 2, kb, device=dev)
-    meta[0, 0], meta[0, 1] = 1, 0  # row 0: (1, 0) for blocks that store values
-    a, m = 0, 1
-    for w, rows in zip(quant.WIDTHS, p.k_width_rows):
-        if not rows:
-            continue
-        out = flat[a : a + rows]
+    # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order
+    # (one channel-mean row for width 0), then N zero rows; token i of stream s reads row base + step * i of
+    # each block's pair (step 0: the mean), and its group's (scale, zero), or (1, 0) where a block stores values
+    bits = t["k_bits"].long()  # [S, nb]
+    pw = bits.T.flatten()  # width of pair b * S + s
+    pair = torch.argsort(pw * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
+    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
+    per_width = torch.bincount(pw, minlength=17)[list(quant.WIDTHS)].tolist()
+    rows = torch.where(pw == 0, 1, n[ps])  # stored rows per pair
+    krows = int(rows.sum())
+    flat = torch.empty(krows + N, kb, device=dev)
+    flat[krows:] = 0  # rows past a stream's count read on into the next pair's rows or these zeros
+    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
+    groups = (n[ps] + kg - 1) // kg * packed
+    meta = torch.empty(1 + int(groups.sum()), 2, kb, device=dev)  # row 0: (1, 0) for blocks that store values
+    meta[0, 0], meta[0, 1] = 1, 0
+    a = p = m = 0
+    for w, pairs in zip(quant.WIDTHS, per_width):
+        r = int(rows[p : p + pairs].sum()) if pairs else 0
+        out = flat[a : a + r]
         if w == 0:
             out.copy_(t["k0.mean"])
         elif w == 16:
             out.copy_(t["k16"])
-        else:
+        elif r:
             _unpack_into(out, t[f"k{w}.codes"], w)
             gw = len(t[f"k{w}.scale"])
-            meta[m : m + gw, 0] = t[f"k{w}.scale"]
-            meta[m : m + gw, 1] = t[f"k{w}.zero"]
+            meta[1 + m : 1 + m + gw, 0] = t[f"k{w}.scale"]
+            meta[1 + m : 1 + m + gw, 1] = t[f"k{w}.zero"]
             m += gw
-        a += rows
+        a, p = a + r, p + pairs
+    table = torch.empty(3, nb * S, dtype=torch.long, device=dev)  # per pair b * S + s: row base, group base, groups
+    table[:, pair] = torch.stack([torch.cumsum(rows, 0) - rows, 1 + torch.cumsum(groups, 0) - groups, groups])
+    table = table.view(3, nb, S).transpose(1, 2).unsqueeze(2)  # [3, S, 1, nb]
     # row (s * N + i) * nb + b: block b of token i of stream s
-    K = flat.index_select(0, torch.addcmul(p.k_base, p.k_step, i.int().view(1, N, 1)).flatten())  # int32: ~3x faster
-    sz = meta.index_select(0, p.k_meta)  # per (stream, group, block)
-    ngm, nb = N // spec.k_group, D // kb
+    rows_of = torch.addcmul(table[0].int(), (bits != 0).int().unsqueeze(1), i.int().view(1, N, 1))  # int32: ~3x faster
+    K = flat.index_select(0, rows_of.flatten())
+    g = torch.arange(ngm, device=dev).view(1, ngm, 1)
+    sz = meta.index_select(0, torch.where(g < table[2], table[1] + g, 0).flatten())  # per (stream, group, block)
     if not rope_keys:
         return K.view(S, N, D), sz.view(S, ngm, nb, 2, kb).transpose(2, 3).reshape(S, ngm, 2, D), V, pos, kept
     sz = sz.view(S, ngm, 1, nb, 2, kb)
-    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, spec.k_group, nb, kb), sz[..., 0, :]).view(S, N, D)
+    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
     K = torch.empty_like(K).scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, N, D), K)
     return rope.rotate(K, pos, t["rope"]), None, V, pos, kept
 
@@ -189,7 +152,7 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
 class Contention:
     """Whether other work holds this machine's cores, from the CPU time the calling thread got during steps.
 
-    A step is ~200 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
+    A step is ~250 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
     faster than one, and the calling thread is on a core for the whole step. When another process keeps the
     cores busy, each op's parallel region waits for a descheduled thread: the calling thread then gets about
     half of the step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share``

@@ -78,20 +78,21 @@ def cpu_decode_at(rev: str) -> types.ModuleType:
     return module
 
 
-def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str,
-            previous=None) -> dict[str, float]:
+def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str, thread_counts: list[int],
+            previous=None) -> dict[tuple[int, str], float]:
     """Best-of-``repeats`` ms per token of every path, in turns; the full cache through the attention
-    implementation ``plain``; ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
-    best: dict[str, float] = {}
+    implementation ``plain``, each under every count of ``thread_counts``, keyed (threads, path);
+    ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
+    best: dict[tuple[int, str], float] = {}
     current = cpu_decode.trizone_attention
     paths = [("torch", "torch", current)] + ([("previous", "torch", previous.trizone_attention)] if previous else [])
     paths.append(("reference", "reference", current))
     most = torch.get_num_threads()
     for _ in range(repeats):
-        for threads in (most, 1):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             model.set_attn_implementation(plain)  # the full cache runs transformers' own attention
-            key = f"{threads} full"
+            key = (threads, "full")
             best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, full, tokens))
             rdkv.install(model)
             try:
@@ -99,7 +100,7 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
                     os.environ["RDKV_BACKEND"] = backend
                     cpu_decode.trizone_attention = fn
                     for budget, cache in caches.items():
-                        key = f"{threads} {name} {budget:g}"
+                        key = (threads, f"{name} {budget:g}")
                         best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
             finally:
                 cpu_decode.trizone_attention = current
@@ -130,6 +131,7 @@ def main() -> None:
           f"best of {args.repeats}{'; glibc keeps freed memory' if args.keep_freed else ''}\n")
     names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "reference": "oracle"}
     paths = [p for p in names if p != "previous" or previous]
+    thread_counts = list(dict.fromkeys((torch.get_num_threads(), 1)))  # torch's setting, then one thread
     cols = [f"{p} {x:g}" for p in paths for x in args.budgets]
     print("| context | machine | threads | full cache ms/token | " + " | ".join(
         f"rdkv {x:.0%} ({names[p]})" for p in paths for x in args.budgets) + " |")
@@ -145,15 +147,15 @@ def main() -> None:
             try:
                 if load:
                     time.sleep(2)
-                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain, previous)
+                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain, thread_counts, previous)
             finally:
                 if load:
                     load.kill()
                     load.wait()
-            ref = min(v for k, v in best.items() if k.endswith(" full"))
-            for threads in sorted({int(k.split()[0]) for k in best}, reverse=True):
-                cells = [f"{best[f'{threads} full']:.0f}"] + [
-                    f"{best[f'{threads} {c}']:.0f} ({best[f'{threads} {c}'] / ref:.2f}x)" for c in cols]
+            ref = min(best[threads, "full"] for threads in thread_counts)
+            for threads in thread_counts:
+                cells = [f"{best[threads, 'full']:.0f}"] + [
+                    f"{best[threads, c]:.0f} ({best[threads, c] / ref:.2f}x)" for c in cols]
                 print(f"| {n:,} | {'2-thread matmul beside' if loaded else 'idle'} | {threads} | " + " | ".join(cells)
                       + " |", flush=True)
         del full, caches
