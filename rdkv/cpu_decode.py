@@ -1,23 +1,31 @@
 """TriZone decode in plain torch, built for speed on a CPU; :mod:`rdkv.reference` stays the oracle.
 
-Per packed segment the work is a handful of large vectorised ops, whatever the number of width classes:
-each V class and K width is unpacked once into one buffer in storage order, from which one index gather per
-zone reads dense per-stream rows; keys stay codes in each stream's packed channel order, the query is
-permuted instead (q . k = q[perm] . k[perm]) and each token group's K scales are folded into it, its zero
-points into one bias, so no dequantized key is formed; causality is never evaluated on a packed prefix,
-whose positions all precede every query; the scores of every segment and of zone C go through one softmax.
+On a small model a decode step is a few hundred torch ops per layer on kilobytes to megabytes, and on a CPU
+each op costs microseconds before it touches any data: at 4k tokens the ops' fixed cost is as large as the
+work on the data. So the layout's bookkeeping (which stored rows hold each stream's tokens and channel
+blocks) runs in numpy on the small count and width tables, and the data take a fixed handful of torch ops
+per stored tensor, whatever the number of streams, tokens or channel blocks:
 
-:func:`read_segment` is the only function here that knows the packed layout.
-Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts (keeping the gather offsets saved
-no measurable time through ``generate``, docs/benchmarks.md).
+* keys are dequantized per (channel block, stream) pair, in storage order: each pair's rows are one window
+  of the stored rows, copied whole and unpacked in place, never moved row by row; the query is permuted
+  instead (q . k = q[perm] . k[perm]) and cut into the same blocks;
+* values: every class is unpacked into one buffer in storage order, then one gather puts the rows in each
+  stream's token order;
+* causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
+  every segment and of zone C go through one softmax. Keys are freed before values are read, so one
+  layer's dequantized keys and values are never held at once.
 
-Steps run on one thread while other work holds the cores (:class:`Contention`).
+:func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout.
+Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts. Steps run on one thread while
+other work holds the cores (:class:`Contention`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import quant, rope
@@ -27,7 +35,7 @@ from .trizone import V_CLASSES, TriZoneLayer
 
 
 def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
-    """Unpack ``bits``-bit codes uint8 [R, C * bits / 8] into float32 ``out`` [R, C] (quant.pack's layout).
+    """Unpack ``bits``-bit codes uint8 [..., C * bits / 8] into float32 ``out`` [..., C] (quant.pack's layout).
 
     On a CPU, torch's elementwise ops are fast on contiguous operands and slow when they broadcast over a
     short innermost dim (a byte's 2 or 4 codes, as quant.unpack does): each code position of the byte is
@@ -43,49 +51,111 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
         slots[..., i].copy_(plane if i == per - 1 else plane & mask)
 
 
-def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
-        torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Zones A+B of one packed segment as dense float32 tensors, one row per kept token of each stream.
+def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64).ravel()).to(device)
 
-    Returns (K [S, N, D], K scales and zeros [S, N / k_group, 2, D] or None, V [S, N, D], positions [S, N] or
-    None, kept [S, N]), N a multiple of ``k_group`` >= every stream's count. With scales, K holds the codes
-    (16-bit rows and width-0 channel means as they are, with scale 1 and zero 0) in the stream's packed channel
-    order (``k_perm``), and a key is ``code * scale + zero`` with the scale and zero of its token group: the
-    caller folds them into the query instead of forming the keys. Without (pre-RoPE keys), K is dequantized,
-    in the model's channel order and rotated to its positions. Positions are read only when ``positions`` (or
-    to rotate keys). Rows past a stream's count are not kept: their V is zero, their K finite, their position
-    that of another kept token.
 
-    Every class is unpacked into one buffer in storage order, ending in zero rows; one index gather per
-    zone then reads the dense rows from it (a gather is several times faster than a scatter of the same
-    rows on a CPU), so the op count does not grow with the number of classes. The gather indices are
-    computed from the per-stream counts and per-block widths with a few broadcasts, never per token run.
+def _windows(x: torch.Tensor, first: np.ndarray, length: int) -> torch.Tensor:
+    """``x[f : f + length]`` for each f in ``first``, stacked [len(first), length, C] from ``x`` [R, C]; rows past
+    the end of ``x`` read as zeros. One copy of whole windows out of an overlapping strided view."""
+    x = torch.nn.functional.pad(x, (0, 0, 0, length))
+    C = x.shape[1]
+    return x.as_strided((len(x) - length + 1, length, C), (C, C, 1)).index_select(0, _index(first, x.device))
+
+
+class Keys(NamedTuple):
+    """The keys of one packed segment: N tokens per stream (a multiple of ``k_group``, >= every stream's count)
+    in its stored order.
+
+    A stream's scores are the sum, over the rows j of ``keys`` with ``stream[j]`` = s, of query block
+    ``query_block[j]`` dotted with ``keys[j]``: the query [S, L, D] gathered along D by ``k_perm`` and cut into
+    blocks [S * D / k_block, L, k_block] (stream-major), or the query itself where ``k_perm`` is None.
+    """
+
+    keys: torch.Tensor  # [P, N, C] float32: one channel block (or all D channels) of N tokens of one stream
+    query_block: torch.Tensor  # [P]
+    stream: torch.Tensor  # [P]
+    k_perm: torch.Tensor | None  # [S, D]
+    positions: torch.Tensor | None  # [S, N]: another kept token's past a stream's count
+    kept: torch.Tensor  # [S, N] bool
+
+
+def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
+    """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order.
+
+    The pairs of each width are stored block-major, each with n[s] rows in its stream's token order (one
+    channel-mean row for width 0) and its scale groups likewise: pair p takes the N rows and N / k_group groups
+    from its first on, reading past its own into the next pair's or zeros (tokens that are not kept). Pre-RoPE
+    keys are put in the model's channel order and rotated to their positions. Positions are read only when
+    ``positions`` (or to rotate keys).
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
     kb, kg = spec.k_block, spec.k_group
     nb = D // kb
-    counts = t["v_counts"].long()
-    n = counts.sum(1)
-    total = int(n.sum())
-    ngm = -(-int(n.max()) // kg) if S else 0  # K scale groups of the longest stream
-    N = ngm * kg  # rows per stream: whole K groups, so every group's rows are one slice
-    i = torch.arange(N, device=dev)
-    kept = i < n.unsqueeze(1)  # [S, N]
+    n = t["v_counts"].cpu().numpy().sum(1, dtype=np.int64)  # tokens per stream
+    groups_max = -(-int(n.max()) // kg) if S else 0
+    N = groups_max * kg  # whole K groups, so every group's rows are one slice
+    i = np.arange(N)
+    kept = torch.from_numpy(i < n[:, None]).to(dev)
     rope_keys = "rope" in t
     pos = None
     if positions or rope_keys:  # stream s's tokens follow those of the streams before it in ``pos``
-        first = (torch.cumsum(n, 0) - n).unsqueeze(1) + i
-        pos = t["pos"].long().index_select(0, first.clamp_(max=max(total - 1, 0)).flatten()).view(S, N)
+        first = np.minimum((np.cumsum(n) - n)[:, None] + i, max(int(n.sum()) - 1, 0))
+        pos = t["pos"].index_select(0, _index(first, dev)).long().view(S, N)
 
-    # V: classes 2, 4, 8, 16 in turn, each stream-major; the i-th token of stream s is in the class c whose
-    # bounds hold i, at row (the class's first row) + (its rows in earlier streams) + (i - the class's first
-    # index in the stream)
-    rows_per_class = counts.sum(0)
+    pw = t["k_bits"].cpu().numpy().T.ravel().astype(np.int64)  # width of pair b * S + s
+    pair = np.argsort(pw, kind="stable")  # storage order -> pair b * S + s
+    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
+    rows = np.where(pw == 0, 1, n[ps])  # stored rows per pair
+    groups = -(-n[ps] // kg)
+    row0, group0 = np.cumsum(rows) - rows, np.cumsum(groups) - groups
+    K = torch.empty(nb * S, N, kb, device=dev)  # pair p's channel block for tokens 0..N-1 of its stream
+    a = 0
+    for w in quant.WIDTHS:
+        pairs = int((pw == w).sum())
+        if not pairs:
+            continue
+        out, at = K[a : a + pairs], slice(a, a + pairs)
+        if w == 0:
+            out.copy_(t["k0.mean"].unsqueeze(1).expand(pairs, N, kb))
+        elif w == 16:
+            out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
+        else:
+            _unpack_into(out.view(-1), _windows(t[f"k{w}.codes"], row0[at] - row0[a], N).view(-1), w)
+            scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
+            if len(scale):  # else every pair of this width belongs to an empty stream
+                g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
+                out = out.view(pairs, groups_max, kg, kb)
+                out.mul_(scale.index_select(0, g).view(pairs, groups_max, 1, kb))
+                out.add_(zero.index_select(0, g).view(pairs, groups_max, 1, kb))
+        a += pairs
+    block = _index(ps * nb + pair // S, dev)  # row of the query's [S * nb, ., kb] block view each pair meets
+    if not rope_keys:
+        return Keys(K, block, _index(ps, dev), t["k_perm"], pos, kept)
+    dense = torch.empty(S * nb, N, kb, device=dev).index_copy_(0, block, K)
+    dense = dense.view(S, nb, N, kb).transpose(1, 2).reshape(S, N, D)  # packed channel order
+    dense = torch.empty_like(dense).scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, N, D), dense)
+    every = torch.arange(S, device=dev)
+    return Keys(rope.rotate(dense, pos, t["rope"]), every, every, None, pos, kept)
+
+
+def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
+    """The values of one packed segment [S, N, D] float32 in each stream's token order, zero past its count.
+
+    Classes 2, 4, 8, 16 are stored in turn, each stream-major, and a stream's tokens are ordered by class: the
+    tokens of class c of stream s are one run of stored rows. Every class is unpacked into one buffer in storage
+    order, ending in a zero row, and one gather reads the rows of every stream's tokens from it.
+    """
+    t, D, spec = seg.t, seg.head_dim, seg.spec
+    S, dev = seg.batch * seg.heads, seg.device
+    counts = t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4]
+    n = counts.sum(1)
+    total = int(n.sum())
     flat = torch.empty(total + 1, D, device=dev)
     flat[total] = 0
     a = 0
-    for w, rows in zip(V_CLASSES, rows_per_class.tolist()):
+    for w, rows in zip(V_CLASSES, counts.sum(0).tolist()):
         if not rows:
             continue
         out = flat[a : a + rows]
@@ -96,56 +166,12 @@ def read_segment(seg: TriZoneLayer, positions: bool = True) -> tuple[
             g = out.view(rows, -1, spec.v_group_of(w))
             g.mul_(t[f"v{w}.scale"].unsqueeze(-1)).add_(t[f"v{w}.zero"].unsqueeze(-1))
         a += rows
-    bounds = torch.cumsum(counts, 1)
-    base = (torch.cumsum(rows_per_class, 0) - rows_per_class) + (torch.cumsum(counts, 0) - counts) - (bounds - counts)
-    cls = torch.searchsorted(bounds, i.expand(S, N).contiguous(), right=True).clamp_(max=len(V_CLASSES) - 1)
-    V = flat.index_select(0, torch.where(kept, base.gather(1, cls) + i, total).flatten()).view(S, N, D)
-
-    # K: the (block, stream) pairs of each width, block-major, each n[s] rows in the stream's token order
-    # (one channel-mean row for width 0), then N zero rows; token i of stream s reads row base + step * i of
-    # each block's pair (step 0: the mean), and its group's (scale, zero), or (1, 0) where a block stores values
-    bits = t["k_bits"].long()  # [S, nb]
-    pw = bits.T.flatten()  # width of pair b * S + s
-    pair = torch.argsort(pw * (nb * S) + torch.arange(nb * S, device=dev))  # storage order -> pair b * S + s
-    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
-    per_width = torch.bincount(pw, minlength=17)[list(quant.WIDTHS)].tolist()
-    rows = torch.where(pw == 0, 1, n[ps])  # stored rows per pair
-    krows = int(rows.sum())
-    flat = torch.empty(krows + N, kb, device=dev)
-    flat[krows:] = 0  # rows past a stream's count read on into the next pair's rows or these zeros
-    packed = (pw != 0) & (pw != 16)  # pairs whose codes carry a scale and zero per token group
-    groups = (n[ps] + kg - 1) // kg * packed
-    meta = torch.empty(1 + int(groups.sum()), 2, kb, device=dev)  # row 0: (1, 0) for blocks that store values
-    meta[0, 0], meta[0, 1] = 1, 0
-    a = p = m = 0
-    for w, pairs in zip(quant.WIDTHS, per_width):
-        r = int(rows[p : p + pairs].sum()) if pairs else 0
-        out = flat[a : a + r]
-        if w == 0:
-            out.copy_(t["k0.mean"])
-        elif w == 16:
-            out.copy_(t["k16"])
-        elif r:
-            _unpack_into(out, t[f"k{w}.codes"], w)
-            gw = len(t[f"k{w}.scale"])
-            meta[1 + m : 1 + m + gw, 0] = t[f"k{w}.scale"]
-            meta[1 + m : 1 + m + gw, 1] = t[f"k{w}.zero"]
-            m += gw
-        a, p = a + r, p + pairs
-    table = torch.empty(3, nb * S, dtype=torch.long, device=dev)  # per pair b * S + s: row base, group base, groups
-    table[:, pair] = torch.stack([torch.cumsum(rows, 0) - rows, 1 + torch.cumsum(groups, 0) - groups, groups])
-    table = table.view(3, nb, S).transpose(1, 2).unsqueeze(2)  # [3, S, 1, nb]
-    # row (s * N + i) * nb + b: block b of token i of stream s
-    rows_of = torch.addcmul(table[0].int(), (bits != 0).int().unsqueeze(1), i.int().view(1, N, 1))  # int32: ~3x faster
-    K = flat.index_select(0, rows_of.flatten())
-    g = torch.arange(ngm, device=dev).view(1, ngm, 1)
-    sz = meta.index_select(0, torch.where(g < table[2], table[1] + g, 0).flatten())  # per (stream, group, block)
-    if not rope_keys:
-        return K.view(S, N, D), sz.view(S, ngm, nb, 2, kb).transpose(2, 3).reshape(S, ngm, 2, D), V, pos, kept
-    sz = sz.view(S, ngm, 1, nb, 2, kb)
-    K = torch.addcmul(sz[..., 1, :], K.view(S, ngm, kg, nb, kb), sz[..., 0, :]).view(S, N, D)
-    K = torch.empty_like(K).scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, N, D), K)
-    return rope.rotate(K, pos, t["rope"]), None, V, pos, kept
+    # token j of class c of stream s: stored row (rows of earlier classes) + (class c rows of earlier streams) + j
+    run = (np.cumsum(counts.sum(0)) - counts.sum(0)) + (np.cumsum(counts, 0) - counts)  # [S, 4]: first row
+    within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
+    index = np.full((S, N), total)
+    index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
+    return flat.index_select(0, _index(index, dev)).view(S, N, D)
 
 
 @dataclass
@@ -200,27 +226,25 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
     q, q_pos, window, m = queries(query, layer, sliding_window, mask)
     (S, GL, D), seq, dev = q.shape, layer.get_seq_length(), query.device
 
-    scores, values = [], []
+    scores, packed = [], []  # [S, GL, N] and ok [., GL, N] per part; the segments with tokens
     for seg in layer.segments():
-        K, ksz, V, pos, kept = read_segment(seg, positions=window is not None or m is not None)
-        if not K.shape[1]:
+        k = read_keys(seg, positions=window is not None or m is not None)
+        if not k.kept.shape[1]:
             continue
-        if ksz is None:
-            s = torch.bmm(q, K.transpose(1, 2))
-        else:  # per token group g: q . (code * scale_g + zero_g) = (q * scale_g) . code + q . zero_g
-            qs = q.gather(2, seg.t["k_perm"].long().unsqueeze(1).expand(S, GL, D))
-            G = ksz.shape[1]
-            bias = torch.bmm(ksz[:, :, 1], qs.transpose(1, 2)).view(S * G, 1, GL).transpose(1, 2)
-            qf = (qs.unsqueeze(1) * ksz[:, :, :1]).view(S * G, GL, D)
-            s = torch.baddbmm(bias, qf, K.view(S * G, -1, D).transpose(1, 2))
-            s = s.view(S, G, GL, -1).transpose(1, 2).reshape(S, GL, -1)
-        ok = kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
+        qv = q
+        if k.k_perm is not None:  # the query in each stream's packed channel order, cut into channel blocks
+            kb = seg.spec.k_block
+            qv = q.gather(2, k.k_perm.long().unsqueeze(1).expand(S, GL, D)).view(S, GL, D // kb, kb)
+            qv = qv.transpose(1, 2).reshape(-1, GL, kb)
+        part = torch.bmm(qv.index_select(0, k.query_block), k.keys.transpose(1, 2))
+        s = part.new_zeros(S, GL, k.kept.shape[1]).index_add_(0, k.stream, part)
+        ok = k.kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
         if window is not None:
-            ok = ok & (q_pos[:, None] - pos.unsqueeze(1) < window)
+            ok = ok & (q_pos[:, None] - k.positions.unsqueeze(1) < window)
         if m is not None:
-            ok = ok & m.gather(2, pos.unsqueeze(1).expand(S, GL, -1))
+            ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
         scores.append((s, ok))
-        values.append(V)
+        packed.append(seg)
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
         s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))
@@ -228,7 +252,6 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
         if m is not None:
             ok = ok & m[:, :, layer.c_start : seq]
         scores.append((s, ok))
-        values.append(layer.t["vc"].float().reshape(S, -1, D))
     if not scores:
         return query.new_zeros(query.shape)
     s = torch.cat([x for x, _ in scores], -1) * scaling
@@ -237,9 +260,11 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
     ok = torch.cat([o.expand(S, GL, o.shape[-1]) for _, o in scores], -1)
     s = s.masked_fill_(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num_(0.0)  # a query that sees nothing: zero output
-    out = torch.bmm(p[..., : values[0].shape[1]], values[0])
-    a = values[0].shape[1]
-    for v in values[1:]:
-        out.baddbmm_(p[..., a : a + v.shape[1]], v)
-        a += v.shape[1]
+    out, a = torch.zeros(S, GL, D, device=dev), 0
+    for seg, (x, _) in zip(packed, scores):
+        N = x.shape[-1]
+        out.baddbmm_(p[..., a : a + N], read_values(seg, N))
+        a += N
+    if len(c_pos):
+        out.baddbmm_(p[..., a:], layer.t["vc"].float().reshape(S, -1, D))
     return out.reshape(query.shape).to(query.dtype)
