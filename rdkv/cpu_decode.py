@@ -245,6 +245,7 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
             ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
         scores.append((s, ok))
         packed.append(seg)
+    k = part = None  # the last segment's keys go before any value is read
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
         s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))
