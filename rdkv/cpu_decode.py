@@ -150,12 +150,12 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
     counts = t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4]
-    n = counts.sum(1)
+    n, per_class = counts.sum(1), counts.sum(0)
     total = int(n.sum())
     flat = torch.empty(total + 1, D, device=dev)
     flat[total] = 0
     a = 0
-    for w, rows in zip(V_CLASSES, counts.sum(0).tolist()):
+    for w, rows in zip(V_CLASSES, per_class.tolist()):
         if not rows:
             continue
         out = flat[a : a + rows]
@@ -167,7 +167,7 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
             g.mul_(t[f"v{w}.scale"].unsqueeze(-1)).add_(t[f"v{w}.zero"].unsqueeze(-1))
         a += rows
     # token j of class c of stream s: stored row (rows of earlier classes) + (class c rows of earlier streams) + j
-    run = (np.cumsum(counts.sum(0)) - counts.sum(0)) + (np.cumsum(counts, 0) - counts)  # [S, 4]: first row
+    run = (np.cumsum(per_class) - per_class) + (np.cumsum(counts, 0) - counts)  # [S, 4]: first row
     within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
     index = np.full((S, N), total)
     index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
