@@ -208,7 +208,10 @@ def rdkv_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(key, TriZoneLayer):
-        return trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask).transpose(1, 2), None
+        layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+        last = layers is None or module.layer_idx >= layers - 1
+        out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask, last_layer=last)
+        return out.transpose(1, 2), None
     rec = getattr(module, "_rdkv_record", None)
     if rec is None and softcap is None:
         return _sdpa(module, query, key, value, attention_mask, scaling, sliding_window, dropout=dropout,

@@ -12,15 +12,18 @@ per stored tensor, whatever the number of streams, tokens or channel blocks:
 * values: every class is unpacked into one buffer in storage order, then one gather puts the rows in each
   stream's token order;
 * causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
-  every segment and of zone C go through one softmax. Keys are freed before values are read, so one
-  layer's dequantized keys and values are never held at once.
+  every segment and of zone C go through one softmax.
 
-:func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout.
-Nothing is kept between steps: the cache's bytes are what ``nbytes`` counts. Steps run on one thread while
-other work holds the cores (:class:`Contention`).
+The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
+(:func:`scratch`; a layer's values overwrite its keys): allocated anew each layer, glibc hands them back to the system and faults fresh pages in
+(thousands of page faults per token on SmolLM2 at 4k). :func:`free_scratch` drops them after the last
+layer, so nothing is kept between steps: the cache's bytes are what ``nbytes`` counts.
+:func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout. Steps
+run on one thread while other work holds the cores (:class:`Contention`).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,8 +37,9 @@ from .reference import queries
 from .trizone import V_CLASSES, TriZoneLayer
 
 
-def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
-    """Unpack ``bits``-bit codes uint8 [..., C * bits / 8] into float32 ``out`` [..., C] (quant.pack's layout).
+def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int, dim: int = -1) -> None:
+    """Unpack ``bits``-bit codes uint8 (C bytes along ``dim``) into float32 ``out`` (C * 8 / bits channels along
+    ``dim``, the other dims alike) in quant.pack's layout: code i of byte j is channel j * 8 / bits + i.
 
     On a CPU, torch's elementwise ops are fast on contiguous operands and slow when they broadcast over a
     short innermost dim (a byte's 2 or 4 codes, as quant.unpack does): each code position of the byte is
@@ -45,10 +49,38 @@ def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
         out.copy_(codes)
         return
     mask, per = (1 << bits) - 1, 8 // bits
-    slots = out.view(*codes.shape, per)
+    dim %= codes.dim()
+    slots = out.unflatten(dim, (codes.shape[dim], per))
     for i in range(per):
         plane = codes >> (bits * i) if i else codes
-        slots[..., i].copy_(plane if i == per - 1 else plane & mask)
+        slots.select(dim + 1, i).copy_(plane if i == per - 1 else plane & mask)
+
+
+_SCRATCH = threading.local()  # per thread: two threads may decode two caches at once
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor for the role ``name``, carved from a buffer kept until :func:`free_scratch`.
+
+    A buffer grows to a quarter more than asked, so the next layer's slightly larger request fits; what it
+    held before is overwritten, so a role's tensor is dead once the same role is asked for again.
+    """
+    n = int(np.prod(shape))
+    buffers = _SCRATCH.__dict__
+    b = buffers.get(name)
+    if b is None or b.numel() < n or b.dtype != dtype or b.device != device or \
+            b.is_inference() != torch.is_inference_mode_enabled():  # in place on inference tensors: inside only
+        b = buffers[name] = torch.empty(n + n // 4, dtype=dtype, device=device)
+    return b[:n].view(shape)
+
+
+def free_scratch() -> None:
+    """Drop this thread's scratch buffers (after the last layer of a forward pass)."""
+    _SCRATCH.__dict__.clear()
+
+
+def scratch_bytes() -> int:
+    return sum(b.numel() * b.element_size() for b in _SCRATCH.__dict__.values())
 
 
 def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -56,11 +88,18 @@ def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _windows(x: torch.Tensor, first: np.ndarray, length: int) -> torch.Tensor:
-    """``x[f : f + length]`` for each f in ``first``, stacked [len(first), length, C] from ``x`` [R, C]; rows past
-    the end of ``x`` read as zeros. One copy of whole windows out of an overlapping strided view."""
-    x = torch.nn.functional.pad(x, (0, 0, 0, length))
-    C = x.shape[1]
-    return x.as_strided((len(x) - length + 1, length, C), (C, C, 1)).index_select(0, _index(first, x.device))
+    """``x[f : f + length]`` for each f in ``first``, stacked [len(first), C, length] (channel-major) from
+    ``x`` [R, C]; rows past the end of ``x`` read as zeros. Whole windows are cut from an overlapping strided
+    view in one copy, then turned channel-major in another (both on the stored dtype, a byte per code for
+    the packed widths)."""
+    (R, C), dev = x.shape, x.device
+    padded = scratch(f"rows {x.dtype}", (R + length, C), x.dtype, dev)
+    padded[:R] = x
+    padded[R:] = 0
+    view = padded.as_strided((R + 1, length, C), (C, C, 1))
+    rows = torch.index_select(view, 0, _index(first, dev), out=scratch(f"windows {x.dtype}", (len(first), length, C),
+                                                                         x.dtype, dev))
+    return scratch(f"channels {x.dtype}", (len(first), C, length), x.dtype, dev).copy_(rows.transpose(1, 2))
 
 
 class Keys(NamedTuple):
@@ -72,7 +111,7 @@ class Keys(NamedTuple):
     blocks [S * D / k_block, L, k_block] (stream-major), or the query itself where ``k_perm`` is None.
     """
 
-    keys: torch.Tensor  # [P, N, C] float32: one channel block (or all D channels) of N tokens of one stream
+    keys: torch.Tensor  # [P, C, N] float32: one channel block (or all D channels) of N tokens of one stream
     query_block: torch.Tensor  # [P]
     stream: torch.Tensor  # [P]
     k_perm: torch.Tensor | None  # [S, D]
@@ -81,7 +120,8 @@ class Keys(NamedTuple):
 
 
 def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
-    """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order.
+    """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order, channel-major
+    (each pair [k_block, N]: the score product's operand as the BLAS wants it, ~2x faster than [N, k_block] here).
 
     The pairs of each width are stored block-major, each with n[s] rows in its stream's token order (one
     channel-mean row for width 0) and its scale groups likewise: pair p takes the N rows and N / k_group groups
@@ -110,7 +150,7 @@ def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
     rows = np.where(pw == 0, 1, n[ps])  # stored rows per pair
     groups = -(-n[ps] // kg)
     row0, group0 = np.cumsum(rows) - rows, np.cumsum(groups) - groups
-    K = torch.empty(nb * S, N, kb, device=dev)  # pair p's channel block for tokens 0..N-1 of its stream
+    K = scratch("dequantized", (nb * S, kb, N), torch.float32, dev)  # pair p's channel block, tokens 0..N-1 of its stream
     a = 0
     for w in quant.WIDTHS:
         pairs = int((pw == w).sum())
@@ -118,26 +158,25 @@ def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
             continue
         out, at = K[a : a + pairs], slice(a, a + pairs)
         if w == 0:
-            out.copy_(t["k0.mean"].unsqueeze(1).expand(pairs, N, kb))
+            out.copy_(t["k0.mean"].unsqueeze(2).expand(pairs, kb, N))
         elif w == 16:
             out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
         else:
-            _unpack_into(out.view(-1), _windows(t[f"k{w}.codes"], row0[at] - row0[a], N).view(-1), w)
+            _unpack_into(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w, dim=1)
             scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
             if len(scale):  # else every pair of this width belongs to an empty stream
                 g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
-                out = out.view(pairs, groups_max, kg, kb)
-                out.mul_(scale.index_select(0, g).view(pairs, groups_max, 1, kb))
-                out.add_(zero.index_select(0, g).view(pairs, groups_max, 1, kb))
+                out = out.view(pairs, kb, groups_max, kg)
+                out.mul_(scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
+                out.add_(zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
         a += pairs
     block = _index(ps * nb + pair // S, dev)  # row of the query's [S * nb, ., kb] block view each pair meets
     if not rope_keys:
         return Keys(K, block, _index(ps, dev), t["k_perm"], pos, kept)
-    dense = torch.empty(S * nb, N, kb, device=dev).index_copy_(0, block, K)
-    dense = dense.view(S, nb, N, kb).transpose(1, 2).reshape(S, N, D)  # packed channel order
-    dense = torch.empty_like(dense).scatter_(2, t["k_perm"].long().unsqueeze(1).expand(S, N, D), dense)
+    dense = torch.empty(S * nb, kb, N, device=dev).index_copy_(0, block, K).view(S, D, N)  # packed channel order
+    dense = torch.empty_like(dense).scatter_(1, t["k_perm"].long().unsqueeze(2).expand(S, D, N), dense)
     every = torch.arange(S, device=dev)
-    return Keys(rope.rotate(dense, pos, t["rope"]), every, every, None, pos, kept)
+    return Keys(rope.rotate(dense.transpose(1, 2), pos, t["rope"]).transpose(1, 2), every, every, None, pos, kept)
 
 
 def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
@@ -152,7 +191,7 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
     counts = t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4]
     n, per_class = counts.sum(1), counts.sum(0)
     total = int(n.sum())
-    flat = torch.empty(total + 1, D, device=dev)
+    flat = scratch("stored values", (total + 1, D), torch.float32, dev)
     flat[total] = 0
     a = 0
     for w, rows in zip(V_CLASSES, per_class.tolist()):
@@ -171,7 +210,8 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
     within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
     index = np.full((S, N), total)
     index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
-    return flat.index_select(0, _index(index, dev)).view(S, N, D)
+    out = scratch("dequantized", (S * N, D), torch.float32, dev)
+    return torch.index_select(flat, 0, _index(index, dev), out=out).view(S, N, D)
 
 
 @dataclass
@@ -236,7 +276,7 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
             kb = seg.spec.k_block
             qv = q.gather(2, k.k_perm.long().unsqueeze(1).expand(S, GL, D)).view(S, GL, D // kb, kb)
             qv = qv.transpose(1, 2).reshape(-1, GL, kb)
-        part = torch.bmm(qv.index_select(0, k.query_block), k.keys.transpose(1, 2))
+        part = torch.bmm(qv.index_select(0, k.query_block), k.keys)
         s = part.new_zeros(S, GL, k.kept.shape[1]).index_add_(0, k.stream, part)
         ok = k.kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
         if window is not None:
@@ -245,7 +285,6 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
             ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
         scores.append((s, ok))
         packed.append(seg)
-    k = part = None  # the last segment's keys go before any value is read
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
         s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))

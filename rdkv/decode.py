@@ -16,8 +16,13 @@ from .trizone import TriZoneLayer
 
 
 def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
-                   softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """query [B, Hq, L, D] -> out [B, Hq, L, D] over zones A, B and C of ``layer``."""
+                   softcap: float | None = None, mask: torch.Tensor | None = None,
+                   last_layer: bool = True) -> torch.Tensor:
+    """query [B, Hq, L, D] -> out [B, Hq, L, D] over zones A, B and C of ``layer``.
+
+    ``last_layer``: no later layer of this forward pass reads the cache, so the CPU path's scratch buffers,
+    shared by the layers of one pass, are freed after this one (:func:`rdkv.cpu_decode.scratch`).
+    """
     chosen = backend(query.device)
     if chosen == "triton":
         try:
@@ -30,9 +35,13 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
         # K-scale folding in docs/benchmarks.md); the output is cloned back to an ordinary tensor, which the model
         # may change in place
         free = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        with torch.inference_mode(free):
-            out = (cpu_decode if chosen == "torch" else reference).trizone_attention(
-                query, layer, scaling, sliding_window, softcap, mask)
+        try:
+            with torch.inference_mode(free):
+                out = (cpu_decode if chosen == "torch" else reference).trizone_attention(
+                    query, layer, scaling, sliding_window, softcap, mask)
+        finally:
+            if last_layer:
+                cpu_decode.free_scratch()
         if free:
             out = out.clone()
     if layer.fold is not None:

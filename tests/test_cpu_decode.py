@@ -146,9 +146,48 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
         monkeypatch.setenv("RDKV_BACKEND", backend)
         runs[backend] = model.generate(ids, past_key_values=copy.deepcopy(cache), max_new_tokens=8,
                                        min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    assert cpu_decode.scratch_bytes() == 0  # freed after each pass's last layer
     assert torch.equal(runs["torch"].sequences, runs["reference"].sequences)
     worst = max(float((a - b).abs().max()) for a, b in zip(runs["torch"].logits, runs["reference"].logits))
     assert worst < 2e-2
+
+
+def test_layers_of_a_pass_share_scratch_buffers_freed_after_the_last(monkeypatch):
+    """The scratch a layer dequantizes into is still held when the next layer runs (no fresh pages per layer), and
+    freed once the model's last layer has run; the shared buffers do not leak one layer's data into another's
+    (test_end_to_end_tiny_models: the logits equal the oracle's)."""
+    from conftest import tiny_llama
+
+    monkeypatch.setenv("RDKV_BACKEND", "torch")
+    model = tiny_llama(0)
+    ids = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(3))
+    with rdkv.record(model) as rec:
+        model(ids, use_cache=True)
+    cache = rdkv.compress(rec, 0.3, v_group=32, k_group=32, k_block=16)
+    held = []
+    last = model.model.layers[-1].self_attn
+    hook = last.register_forward_pre_hook(lambda *_: held.append(cpu_decode.scratch_bytes()))
+    try:
+        model(ids[:, -1:], past_key_values=cache)
+    finally:
+        hook.remove()
+    assert held[0] >= 4 * cache.layers[0].t["v_counts"].sum() * model.config.head_dim  # a layer's values, fp32
+    assert cpu_decode.scratch_bytes() == 0
+
+
+def test_scratch_made_in_inference_mode_is_replaced_outside_it():
+    """A pass cut short keeps its scratch; the next, with gradients on, must not write into inference tensors."""
+    from rdkv.decode import trizone_decode
+
+    layer = build(seed=13, B=1, H=2, T=120, D=64, n_c=2)
+    q = query(layer, 2, 1, torch.float32)
+    want = reference.trizone_attention(q, layer, 0.125)
+    trizone_decode(q, layer, 0.125, last_layer=False)  # no gradients: inference mode
+    assert cpu_decode.scratch_bytes() > 0
+    with torch.enable_grad():
+        got = trizone_decode(q, layer, 0.125)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert cpu_decode.scratch_bytes() == 0
 
 
 def test_decode_runs_in_inference_mode_only_when_no_gradient_is_wanted():
