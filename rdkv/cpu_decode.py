@@ -7,22 +7,23 @@ blocks) runs in numpy on the small count and width tables, and the data take a f
 per stored tensor, whatever the number of streams, tokens or channel blocks:
 
 * keys are dequantized per (channel block, stream) pair, in storage order: each pair's rows are one window
-  of the stored rows, copied whole and unpacked in place, never moved row by row; the query is permuted
-  instead (q . k = q[perm] . k[perm]) and cut into the same blocks;
-* values: every class is unpacked into one buffer in storage order, then one gather puts the rows in each
-  stream's token order;
+  of the stored rows, copied whole, turned channel-major and unpacked in place, never moved row by row; the
+  query is permuted instead (q . k = q[perm] . k[perm]) and cut into the same blocks;
+* values: every class is unpacked into one buffer in storage order, each row's channels split into two
+  contiguous halves (undone on the product), then one gather puts the rows in each stream's token order;
 * causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
   every segment and of zone C go through one softmax.
 
 The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
-(:func:`scratch`; a layer's values overwrite its keys): allocated anew each layer, glibc hands them back to the system and faults fresh pages in
-(thousands of page faults per token on SmolLM2 at 4k). :func:`free_scratch` drops them after the last
-layer, so nothing is kept between steps: the cache's bytes are what ``nbytes`` counts.
-:func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout. Steps
-run on one thread while other work holds the cores (:class:`Contention`).
+(:func:`scratch`; a layer's values overwrite its keys). Allocated anew each layer, glibc returned them to the
+system and faulted fresh pages in: thousands of page faults per token on SmolLM2 at 4k. :func:`free_scratch`
+drops them after the last layer, so nothing is kept between steps: the cache's bytes are what ``nbytes``
+counts. :func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout.
+Steps run on one thread while other work holds the cores (:class:`Contention`).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -37,23 +38,18 @@ from .reference import queries
 from .trizone import V_CLASSES, TriZoneLayer
 
 
-def _unpack_into(out: torch.Tensor, codes: torch.Tensor, bits: int, dim: int = -1) -> None:
-    """Unpack ``bits``-bit codes uint8 (C bytes along ``dim``) into float32 ``out`` (C * 8 / bits channels along
-    ``dim``, the other dims alike) in quant.pack's layout: code i of byte j is channel j * 8 / bits + i.
-
-    On a CPU, torch's elementwise ops are fast on contiguous operands and slow when they broadcast over a
-    short innermost dim (a byte's 2 or 4 codes, as quant.unpack does): each code position of the byte is
-    shifted and masked over the whole byte tensor instead, and converted into its strided slot of ``out``.
-    """
+def _unpack_channels(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
+    """Unpack ``bits``-bit codes uint8 [P, C, N] (a byte per C, quant.pack's layout: code i of byte j is channel
+    j * 8 / bits + i) into float32 ``out`` [P, C * 8 / bits, N]: each code position of the byte is shifted and
+    masked over the whole byte tensor and converted into its rows of ``out``, N contiguous floats each."""
     if bits == 8:
         out.copy_(codes)
         return
     mask, per = (1 << bits) - 1, 8 // bits
-    dim %= codes.dim()
-    slots = out.unflatten(dim, (codes.shape[dim], per))
+    slots = out.view(codes.shape[0], codes.shape[1], per, -1)
     for i in range(per):
         plane = codes >> (bits * i) if i else codes
-        slots.select(dim + 1, i).copy_(plane if i == per - 1 else plane & mask)
+        slots[:, :, i].copy_(plane if i == per - 1 else plane & mask)
 
 
 _SCRATCH = threading.local()  # per thread: two threads may decode two caches at once
@@ -65,7 +61,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     A buffer grows to a quarter more than asked, so the next layer's slightly larger request fits; what it
     held before is overwritten, so a role's tensor is dead once the same role is asked for again.
     """
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     buffers = _SCRATCH.__dict__
     b = buffers.get(name)
     if b is None or b.numel() < n or b.dtype != dtype or b.device != device or \
@@ -96,10 +92,9 @@ def _windows(x: torch.Tensor, first: np.ndarray, length: int) -> torch.Tensor:
     padded = scratch(f"rows {x.dtype}", (R + length, C), x.dtype, dev)
     padded[:R] = x
     padded[R:] = 0
-    view = padded.as_strided((R + 1, length, C), (C, C, 1))
-    rows = torch.index_select(view, 0, _index(first, dev), out=scratch(f"windows {x.dtype}", (len(first), length, C),
+    view = padded.as_strided((R + 1, C, length), (C, 1, C))
+    return torch.index_select(view, 0, _index(first, dev), out=scratch(f"windows {x.dtype}", (len(first), C, length),
                                                                          x.dtype, dev))
-    return scratch(f"channels {x.dtype}", (len(first), C, length), x.dtype, dev).copy_(rows.transpose(1, 2))
 
 
 class Keys(NamedTuple):
@@ -119,7 +114,7 @@ class Keys(NamedTuple):
     kept: torch.Tensor  # [S, N] bool
 
 
-def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
+def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> Keys:
     """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order, channel-major
     (each pair [k_block, N]: the score product's operand as the BLAS wants it, ~2x faster than [N, k_block] here).
 
@@ -133,7 +128,7 @@ def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
     S, dev = seg.batch * seg.heads, seg.device
     kb, kg = spec.k_block, spec.k_group
     nb = D // kb
-    n = t["v_counts"].cpu().numpy().sum(1, dtype=np.int64)  # tokens per stream
+    n = counts.sum(1)  # tokens per stream
     groups_max = -(-int(n.max()) // kg) if S else 0
     N = groups_max * kg  # whole K groups, so every group's rows are one slice
     i = np.arange(N)
@@ -162,7 +157,7 @@ def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
         elif w == 16:
             out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
         else:
-            _unpack_into(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w, dim=1)
+            _unpack_channels(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w)
             scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
             if len(scale):  # else every pair of this width belongs to an empty stream
                 g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
@@ -179,8 +174,25 @@ def read_keys(seg: TriZoneLayer, positions: bool = True) -> Keys:
     return Keys(rope.rotate(dense.transpose(1, 2), pos, t["rope"]).transpose(1, 2), every, every, None, pos, kept)
 
 
-def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
-    """The values of one packed segment [S, N, D] float32 in each stream's token order, zero past its count.
+def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
+    """Rows of ``stored`` (codes of ``bits`` bits, or 16-bit values) into float32 ``out`` [rows, D] with channel
+    2j + i at i * D/2 + j: at 4 bits the two codes of a byte land in two contiguous halves of the row, where
+    the model's channel order would interleave them (~1.5-2x slower to write on this CPU)."""
+    rows, D = out.shape
+    halves = out.view(rows, 2, D // 2)
+    if bits >= 8:
+        halves.copy_(stored.view(rows, D // 2, 2).transpose(1, 2))
+        return
+    per = 8 // bits  # code k of byte b is channel per * b + k
+    slots = halves.view(rows, 2, stored.shape[1], per // 2)
+    for k in range(per):
+        plane = stored >> (bits * k) if k else stored
+        slots[:, k % 2, :, k // 2].copy_(plane if k == per - 1 else plane & (1 << bits) - 1)
+
+
+def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
+    """The values of one packed segment [S, N, D] float32 in each stream's token order, zero past its count, with
+    channel 2j + i at i * D/2 + j (:func:`_unpack_halves`; undo it on the product, not on the values).
 
     Classes 2, 4, 8, 16 are stored in turn, each stream-major, and a stream's tokens are ordered by class: the
     tokens of class c of stream s are one run of stored rows. Every class is unpacked into one buffer in storage
@@ -188,7 +200,6 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
-    counts = t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4]
     n, per_class = counts.sum(1), counts.sum(0)
     total = int(n.sum())
     flat = scratch("stored values", (total + 1, D), torch.float32, dev)
@@ -198,12 +209,11 @@ def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
         if not rows:
             continue
         out = flat[a : a + rows]
-        if w == 16:
-            out.copy_(t["v16"])
-        else:
-            _unpack_into(out, t[f"v{w}.codes"], w)
-            g = out.view(rows, -1, spec.v_group_of(w))
-            g.mul_(t[f"v{w}.scale"].unsqueeze(-1)).add_(t[f"v{w}.zero"].unsqueeze(-1))
+        _unpack_halves(out, t["v16"] if w == 16 else t[f"v{w}.codes"], w)
+        if w != 16:  # channel 2j + i is in group (2j + i) // g = j // (g / 2), in both halves
+            g = spec.v_group_of(w)
+            groups = out.view(rows, 2, D // g, g // 2)
+            groups.mul_(t[f"v{w}.scale"].view(rows, 1, D // g, 1)).add_(t[f"v{w}.zero"].view(rows, 1, D // g, 1))
         a += rows
     # token j of class c of stream s: stored row (rows of earlier classes) + (class c rows of earlier streams) + j
     run = (np.cumsum(per_class) - per_class) + (np.cumsum(counts, 0) - counts)  # [S, 4]: first row
@@ -268,7 +278,8 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
 
     scores, packed = [], []  # [S, GL, N] and ok [., GL, N] per part; the segments with tokens
     for seg in layer.segments():
-        k = read_keys(seg, positions=window is not None or m is not None)
+        counts = seg.t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4] tokens per stream and V class
+        k = read_keys(seg, counts, positions=window is not None or m is not None)
         if not k.kept.shape[1]:
             continue
         qv = q
@@ -284,7 +295,7 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
         if m is not None:
             ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
         scores.append((s, ok))
-        packed.append(seg)
+        packed.append((seg, counts))
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
         s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))
@@ -300,11 +311,12 @@ def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding
     ok = torch.cat([o.expand(S, GL, o.shape[-1]) for _, o in scores], -1)
     s = s.masked_fill_(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num_(0.0)  # a query that sees nothing: zero output
-    out, a = torch.zeros(S, GL, D, device=dev), 0
-    for seg, (x, _) in zip(packed, scores):
+    out, a = torch.zeros(S, GL, 2, D // 2, device=dev), 0  # packed values' channel order (read_values)
+    for (seg, counts), (x, _) in zip(packed, scores):
         N = x.shape[-1]
-        out.baddbmm_(p[..., a : a + N], read_values(seg, N))
+        out.view(S, GL, D).baddbmm_(p[..., a : a + N], read_values(seg, counts, N))
         a += N
+    out = out.transpose(2, 3).reshape(S, GL, D)
     if len(c_pos):
         out.baddbmm_(p[..., a:], layer.t["vc"].float().reshape(S, -1, D))
     return out.reshape(query.shape).to(query.dtype)

@@ -41,7 +41,7 @@ def queries(query: torch.Tensor, layer: TriZoneLayer, sliding_window: int | None
     H = layer.heads
     G = Hq // H
     seq = layer.get_seq_length()
-    q_pos = torch.arange(seq - L, seq, device=query.device).repeat(G)
+    q_pos = torch.arange(seq - L, seq, device=query.device).expand(G, L).reshape(-1)
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     m = None if mask is None else mask[:, 0, :, :seq].bool().repeat_interleave(H, 0).repeat(1, G, 1)
     return query.float().reshape(B * H, G * L, D), q_pos, window, m
