@@ -85,9 +85,8 @@ def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _windows(x: torch.Tensor, first: np.ndarray, length: int) -> torch.Tensor:
     """``x[f : f + length]`` for each f in ``first``, stacked [len(first), C, length] (channel-major) from
-    ``x`` [R, C]; rows past the end of ``x`` read as zeros. Whole windows are cut from an overlapping strided
-    view in one copy, then turned channel-major in another (both on the stored dtype, a byte per code for
-    the packed widths)."""
+    ``x`` [R, C]; rows past the end of ``x`` read as zeros. One copy of whole windows out of an overlapping,
+    transposed strided view, on the stored dtype (a byte per code for the packed widths)."""
     (R, C), dev = x.shape, x.device
     padded = scratch(f"rows {x.dtype}", (R + length, C), x.dtype, dev)
     padded[:R] = x
