@@ -227,24 +227,32 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
 class Contention:
     """Whether other work holds this machine's cores, from the CPU time the calling thread got during steps.
 
-    A step is ~250 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
+    A step is ~190 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
     faster than one, and the calling thread is on a core for the whole step. When another process keeps the
     cores busy, each op's parallel region waits for a descheduled thread: the calling thread then gets about
     half of the step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share``
-    is a running mean of that fraction over recent steps of every layer; below ``enter`` the path runs on one
-    thread, until it climbs back above ``leave`` (one thread on a contended machine still loses its core now
-    and then: ~0.6-0.8).
+    is a running mean of that fraction over steps run on all threads; below ``enter`` the path runs on one
+    thread. A step on one thread says nothing about the others (it keeps its core ~0.6-1.0 of the time beside
+    the load, as on an idle machine), so while contended one step in ``probe_every`` runs on all threads, and
+    the path goes back to them once those probes bring ``share`` above ``leave``.
     """
 
     share: float = 1.0
     enter: float = 0.85
     leave: float = 0.95
+    probe_every: int = 32
     contended: bool = False
+    steps: int = 0  # one-thread steps since the last probe
 
     def threads(self, most: int) -> int:
-        return 1 if self.contended else most
+        if not self.contended or self.steps >= self.probe_every - 1:
+            self.steps = 0
+            return most
+        self.steps += 1
+        return 1
 
     def record(self, cpu_seconds: float, wall_seconds: float) -> None:
+        """One step run on all threads."""
         self.share += 0.2 * (min(cpu_seconds / max(wall_seconds, 1e-9), 1.0) - self.share)
         self.contended = self.share < (self.leave if self.contended else self.enter)
 
@@ -263,7 +271,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     try:
         wall, cpu = time.perf_counter(), time.thread_time()
         out = _attention(query, layer, scaling, sliding_window, softcap, mask)
-        if most > 1:
+        if threads > 1:
             CONTENTION.record(time.thread_time() - cpu, time.perf_counter() - wall)
     finally:
         torch.set_num_threads(most)

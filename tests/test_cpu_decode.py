@@ -206,15 +206,22 @@ def test_decode_runs_in_inference_mode_only_when_no_gradient_is_wanted():
 
 def test_contention_moves_to_one_thread_and_back():
     """Shares as measured on 2 cores (scripts/bench_cpu_decode.py's load): ~1.0 idle, ~0.5 on all threads beside a
-    2-thread matmul, 0.6-1.0 on one thread there."""
-    c = cpu_decode.Contention()
-    seen = []
-    for share in [1.0] * 3 + [0.5] * 3 + [0.65, 1.0, 0.7, 0.8, 1.0, 0.63] + [1.0] * 12:
-        c.record(share, 1.0)
-        seen.append(c.threads(2))
-    assert seen[:3] == [2] * 3  # idle
-    assert seen[3] == 2 and seen[4:12] == [1] * 8  # two contended steps to enter; a lucky step does not leave
-    assert seen[12:16] == [1] * 4 and seen[-1] == 2  # an idle machine again: back to all threads within ~8 steps
+    2-thread matmul. As trizone_attention does, only steps on all threads are recorded: while contended, the probes
+    (one step in ``probe_every``) decide when to go back."""
+    c = cpu_decode.Contention(probe_every=4)
+
+    def run(shares):
+        seen = []
+        for share in shares:
+            seen.append(c.threads(2))
+            if seen[-1] == 2:
+                c.record(share, 1.0)
+        return seen
+
+    assert run([1.0] * 3) == [2] * 3  # idle
+    assert run([0.5] * 14) == [2, 2] + [1, 1, 1, 2] * 3  # two steps to enter, then one probe in four
+    back = run([1.0] * 60)  # the load is gone: nine idle probes bring the share (~0.6) back above 0.95
+    assert back == [1, 1, 1, 2] * 9 + [2] * 24
     c.record(2.0, 1.0)  # CPU time above wall time (another thread's clock) counts as a full share
     assert c.share <= 1.0
 
