@@ -227,7 +227,7 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
 class Contention:
     """Whether other work holds this machine's cores, from the CPU time the calling thread got during steps.
 
-    A step is ~190 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
+    A step is ~230 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
     faster than one, and the calling thread is on a core for the whole step. When another process keeps the
     cores busy, each op's parallel region waits for a descheduled thread: the calling thread then gets about
     half of the step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share``
