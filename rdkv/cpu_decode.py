@@ -76,6 +76,7 @@ def free_scratch() -> None:
 
 
 def scratch_bytes() -> int:
+    """Bytes this thread's scratch buffers hold now."""
     return sum(b.numel() * b.element_size() for b in _SCRATCH.__dict__.values())
 
 
