@@ -15,11 +15,10 @@ per stored tensor, whatever the number of streams, tokens or channel blocks:
   every segment and of zone C go through one softmax.
 
 The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
-(:func:`scratch`; a layer's values overwrite its keys). Allocated anew each layer, glibc returned them to the
-system and faulted fresh pages in: thousands of page faults per token on SmolLM2 at 4k. :func:`free_scratch`
-drops them after the last layer, so nothing is kept between steps: the cache's bytes are what ``nbytes``
-counts. :func:`read_keys` and :func:`read_values` are the only functions here that know the packed layout.
-Steps run on one thread while other work holds the cores (:class:`Contention`).
+(:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
+:func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
+are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` are the only functions here that know
+the packed layout. Steps run on one thread while other work holds the cores (:class:`Contention`).
 """
 from __future__ import annotations
 
@@ -116,7 +115,8 @@ class Keys(NamedTuple):
 
 def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> Keys:
     """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order, channel-major
-    (each pair [k_block, N]: the score product's operand as the BLAS wants it, ~2x faster than [N, k_block] here).
+    (each pair [k_block, N]: the score product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block]
+    on a 2-core EPYC, docs/benchmarks.md).
 
     The pairs of each width are stored block-major, each with n[s] rows in its stream's token order (one
     channel-mean row for width 0) and its scale groups likewise: pair p takes the N rows and N / k_group groups
@@ -177,7 +177,8 @@ def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> 
 def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
     """Rows of ``stored`` (codes of ``bits`` bits, or 16-bit values) into float32 ``out`` [rows, D] with channel
     2j + i at i * D/2 + j: at 4 bits the two codes of a byte land in two contiguous halves of the row, where
-    the model's channel order would interleave them (~1.5-2x slower to write on this CPU)."""
+    the model's channel order would interleave them (1.2-1.9x slower to write on a 2-core EPYC,
+    docs/benchmarks.md)."""
     rows, D = out.shape
     halves = out.view(rows, 2, D // 2)
     if bits >= 8:
