@@ -16,6 +16,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import cpu_decode
+from .backend import backend
 from .decode import trizone_decode
 from .dense import AttentionSums, allowed_keys, attend
 from .errors import RDKVError
@@ -82,7 +84,22 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     AttentionMaskInterface.register(NAME, rdkv_mask)
     if getattr(model.config, "_attn_implementation", None) != NAME:
         model.set_attn_implementation(NAME)
+    if not getattr(model, "_rdkv_step_hooks", None):
+        model._rdkv_step_hooks = (model.register_forward_pre_hook(_begin_step, with_kwargs=True),
+                                  model.register_forward_hook(_end_step, with_kwargs=True, always_call=True))
     return model
+
+
+def _begin_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A pass through a compressed cache on the CPU path: its threads follow the cores' contention
+    (:func:`rdkv.cpu_decode.begin_step`)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, TriZoneCache) and cache.layers and backend(cache.layers[0].device) == "torch":
+        cpu_decode.begin_step()
+
+
+def _end_step(module: torch.nn.Module, args: tuple, kwargs: dict, out) -> None:
+    cpu_decode.end_step()
 
 
 @contextmanager

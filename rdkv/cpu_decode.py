@@ -18,7 +18,8 @@ The megabytes a layer dequantizes go into scratch buffers that the layers of one
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
 are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` are the only functions here that know
-the packed layout. Steps run on one thread while other work holds the cores (:class:`Contention`).
+the packed layout. While other work holds the cores, a model's pass through the cache runs on one thread
+(:class:`Contention`, :func:`begin_step`).
 """
 from __future__ import annotations
 
@@ -260,15 +261,34 @@ class Contention:
 
 
 CONTENTION = Contention()  # one per process: contention is the machine's, not a layer's
+_STEP = threading.local()  # ``most``: the threads a model's pass through a compressed cache was called with
+
+
+def begin_step() -> None:
+    """A model's forward pass through a compressed CPU cache begins: while :data:`CONTENTION` holds the cores
+    contended, the whole pass runs on one thread, the model's own matmuls too (they wait for descheduled threads
+    as attention's ops do; docs/benchmarks.md), and its attention layers still probe all threads
+    (:func:`trizone_attention`). :func:`end_step` restores torch's setting."""
+    _STEP.most = torch.get_num_threads()
+    if CONTENTION.contended:
+        torch.set_num_threads(1)
+
+
+def end_step() -> None:
+    """The pass :func:`begin_step` began has ended, or failed: torch's thread setting as it was called with."""
+    most = _STEP.__dict__.pop("most", None)
+    if most is not None:
+        torch.set_num_threads(most)
 
 
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract and result as :func:`rdkv.reference.trizone_attention` (to float32 rounding), on the threads
-    :data:`CONTENTION` picks (torch's setting is restored on return; other Python threads running torch ops
-    meanwhile see it too)."""
-    most = torch.get_num_threads()
-    threads = CONTENTION.threads(most)
+    :data:`CONTENTION` picks out of those the calling pass began with (:func:`begin_step`), or torch's setting
+    outside a pass; that setting is restored on return (other Python threads running torch ops meanwhile see it
+    too)."""
+    before = torch.get_num_threads()
+    threads = CONTENTION.threads(getattr(_STEP, "most", before))
     torch.set_num_threads(threads)
     try:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -276,7 +296,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
         if threads > 1:
             CONTENTION.record(time.thread_time() - cpu, time.perf_counter() - wall)
     finally:
-        torch.set_num_threads(most)
+        torch.set_num_threads(before)
     return out
 
 

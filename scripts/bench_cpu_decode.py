@@ -10,10 +10,11 @@ rdkv's vectorised CPU decode (``RDKV_BACKEND=torch``, the default on CPU) and th
 machine's speed hits every row alike; ``--load`` repeats the measurement while another process runs a
 2-thread matmul, as a shared machine does. Each machine state is measured twice, with torch's thread count
 as it is and with one thread (what a user of a shared machine may set), every path in both; ratios are against
-the faster full cache of the two (the CPU decode path itself drops to one thread for its own steps while it
-finds the cores contended, :class:`rdkv.cpu_decode.Contention`).
-``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``), timed
-in the same turns, so a change to the path is measured against its predecessor on one machine state.
+the faster full cache of the two (a pass through a compressed cache on the CPU decode path drops to one thread,
+the model's matmuls included, while it finds the cores contended, :class:`rdkv.cpu_decode.Contention`).
+``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``, with the
+thread handling it had), timed in the same turns, so a change to the path is measured against its predecessor on
+one machine state.
 ``--keep-freed`` has glibc keep the memory a step frees (:func:`keep_freed_memory`) for every row alike.
 """
 from __future__ import annotations
@@ -78,14 +79,20 @@ def cpu_decode_at(rev: str) -> types.ModuleType:
     return module
 
 
+def _none() -> None:
+    """A revision without whole-pass thread handling."""
+
+
 def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str, thread_counts: list[int],
             previous=None) -> dict[tuple[int, str], float]:
     """Best-of-``repeats`` ms per token of every path, in turns; the full cache through the attention
     implementation ``plain``, each under every count of ``thread_counts``, keyed (threads, path);
     ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
     best: dict[tuple[int, str], float] = {}
-    current = cpu_decode.trizone_attention
-    paths = [("torch", "torch", current)] + ([("previous", "torch", previous.trizone_attention)] if previous else [])
+    current = cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step
+    paths = [("torch", "torch", current)] + ([("previous", "torch", (
+        previous.trizone_attention, getattr(previous, "begin_step", _none), getattr(previous, "end_step", _none)))]
+        if previous else [])
     paths.append(("reference", "reference", current))
     most = torch.get_num_threads()
     for _ in range(repeats):
@@ -96,14 +103,14 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
             best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, full, tokens))
             rdkv.install(model)
             try:
-                for name, backend, fn in paths:
+                for name, backend, fns in paths:
                     os.environ["RDKV_BACKEND"] = backend
-                    cpu_decode.trizone_attention = fn
+                    cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step = fns
                     for budget, cache in caches.items():
                         key = (threads, f"{name} {budget:g}")
                         best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
             finally:
-                cpu_decode.trizone_attention = current
+                cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step = current
                 os.environ.pop("RDKV_BACKEND")
                 torch.set_num_threads(most)
     return best

@@ -232,3 +232,42 @@ def test_a_step_restores_torch_threads():
     for _ in range(4):
         check(layer, query(layer, 2, 1, torch.float32))
         assert torch.get_num_threads() == most
+
+
+def test_a_contended_pass_runs_the_whole_model_on_one_thread(monkeypatch):
+    """While the cores are contended, a pass through a compressed CPU cache runs the model's MLPs on one thread as
+    well as its attention, a probing layer's attention still runs on all threads, and the caller's setting is back
+    after the pass, after a failed pass, and untouched for a pass through an ordinary cache."""
+    from conftest import tiny_llama
+
+    monkeypatch.setenv("RDKV_BACKEND", "torch")
+    monkeypatch.setattr(cpu_decode, "CONTENTION", cpu_decode.Contention(probe_every=2))
+    model = tiny_llama(0)
+    ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(4))
+    with rdkv.record(model) as rec:
+        full = model(ids, use_cache=True).past_key_values
+    cache = rdkv.compress(rec, 0.3, v_group=32, k_group=32, k_block=16)
+    seen = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda *_: seen.append(("mlp", torch.get_num_threads())))
+        layer.self_attn.register_forward_hook(lambda *_: seen.append(("attention", cpu_decode.CONTENTION.steps)))
+    most = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model(ids[:, -1:], past_key_values=cache)
+        assert [n for what, n in seen if what == "mlp"] == [2, 2]  # idle: the caller's threads
+        cpu_decode.CONTENTION.contended, seen[:] = True, []
+        model(ids[:, -1:], past_key_values=cache)
+        assert [n for what, n in seen if what == "mlp"] == [1, 1]
+        assert [n for what, n in seen if what == "attention"] == [1, 0]  # layer 1 probed all threads
+        assert torch.get_num_threads() == 2
+        seen[:] = []
+        model(ids[:, -1:], past_key_values=full)  # an ordinary cache: not rdkv's to change
+        assert [n for what, n in seen if what == "mlp"] == [2, 2]
+        model.model.layers[1].mlp.register_forward_hook(lambda *_: 1 / 0)
+        cpu_decode.CONTENTION.contended, seen[:] = True, []
+        with pytest.raises(ZeroDivisionError):
+            model(ids[:, -1:], past_key_values=cache)
+        assert [n for what, n in seen if what == "mlp"] == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(most)
