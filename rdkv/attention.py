@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import cpu_decode
+from . import contention
 from .backend import backend
 from .decode import trizone_decode
 from .dense import AttentionSums, allowed_keys, attend
@@ -77,29 +77,30 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Select the ``"rdkv"`` attention implementation on ``model`` (in place) and return it: SDPA on ordinary
-    caches, the TriZone decode on compressed ones. :func:`record` calls it; call it yourself to decode a
-    cache from :func:`rdkv.load` with a model that has recorded nothing."""
+    caches, the TriZone decode on compressed ones, and a pass through a compressed cache on the CPU path on the
+    cores other work leaves free (:mod:`rdkv.contention`, forward hooks on ``model``). :func:`record` calls it;
+    call it yourself to decode a cache from :func:`rdkv.load` with a model that has recorded nothing."""
     attention_modules(model)
     AttentionInterface.register(NAME, rdkv_attention)
     AttentionMaskInterface.register(NAME, rdkv_mask)
     if getattr(model.config, "_attn_implementation", None) != NAME:
         model.set_attn_implementation(NAME)
-    if not getattr(model, "_rdkv_step_hooks", None):
-        model._rdkv_step_hooks = (model.register_forward_pre_hook(_begin_step, with_kwargs=True),
-                                  model.register_forward_hook(_end_step, with_kwargs=True, always_call=True))
+    if not getattr(model, "_rdkv_pass_hooks", None):
+        model._rdkv_pass_hooks = (model.register_forward_pre_hook(_begin_pass, with_kwargs=True),
+                                  model.register_forward_hook(_end_pass, with_kwargs=True, always_call=True))
     return model
 
 
-def _begin_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """A pass through a compressed cache on the CPU path: its threads follow the cores' contention
-    (:func:`rdkv.cpu_decode.begin_step`)."""
+def _begin_pass(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A pass through a compressed cache on the CPU path runs on the cores other work leaves free
+    (:mod:`rdkv.contention`)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, TriZoneCache) and cache.layers and backend(cache.layers[0].device) == "torch":
-        cpu_decode.begin_step()
+        contention.begin_pass()
 
 
-def _end_step(module: torch.nn.Module, args: tuple, kwargs: dict, out) -> None:
-    cpu_decode.end_step()
+def _end_pass(module: torch.nn.Module, args: tuple, kwargs: dict, out) -> None:
+    contention.end_pass()
 
 
 @contextmanager

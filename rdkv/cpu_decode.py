@@ -18,15 +18,13 @@ The megabytes a layer dequantizes go into scratch buffers that the layers of one
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
 are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` are the only functions here that know
-the packed layout. While other work holds the cores, a model's pass through the cache runs on one thread
-(:class:`Contention`, :func:`begin_step`).
+the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
+other work leaves free, :mod:`rdkv.contention`).
 """
 from __future__ import annotations
 
 import math
 import threading
-import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -226,82 +224,9 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     return torch.index_select(flat, 0, _index(index, dev), out=out).view(S, N, D)
 
 
-@dataclass
-class Contention:
-    """Whether other work holds this machine's cores, from the CPU time the calling thread got during steps.
-
-    A step is ~230 torch ops of a few to hundreds of microseconds. On an idle machine two threads run it ~1.4x
-    faster than one, and the calling thread is on a core for the whole step. When another process keeps the
-    cores busy, each op's parallel region waits for a descheduled thread: the calling thread then gets about
-    half of the step's wall time, and one thread runs the step 1.5-3x faster (docs/benchmarks.md). ``share``
-    is a running mean of that fraction over steps run on all threads; below ``enter`` the path runs on one
-    thread. A step on one thread says nothing about the others (it keeps its core ~0.6-1.0 of the time beside
-    the load, as on an idle machine), so while contended one step in ``probe_every`` runs on all threads, and
-    the path goes back to them once those probes bring ``share`` above ``leave``.
-    """
-
-    share: float = 1.0
-    enter: float = 0.85
-    leave: float = 0.95
-    probe_every: int = 32
-    contended: bool = False
-    steps: int = 0  # one-thread steps since the last probe
-
-    def threads(self, most: int) -> int:
-        if not self.contended or self.steps >= self.probe_every - 1:
-            self.steps = 0
-            return most
-        self.steps += 1
-        return 1
-
-    def record(self, cpu_seconds: float, wall_seconds: float) -> None:
-        """One step run on all threads."""
-        self.share += 0.2 * (min(cpu_seconds / max(wall_seconds, 1e-9), 1.0) - self.share)
-        self.contended = self.share < (self.leave if self.contended else self.enter)
-
-
-CONTENTION = Contention()  # one per process: contention is the machine's, not a layer's
-_STEP = threading.local()  # ``most``: the threads a model's pass through a compressed cache was called with
-
-
-def begin_step() -> None:
-    """A model's forward pass through a compressed CPU cache begins: while :data:`CONTENTION` holds the cores
-    contended, the whole pass runs on one thread, the model's own matmuls too (they wait for descheduled threads
-    as attention's ops do; docs/benchmarks.md), and its attention layers still probe all threads
-    (:func:`trizone_attention`). :func:`end_step` restores torch's setting."""
-    _STEP.most = torch.get_num_threads()
-    if CONTENTION.contended:
-        torch.set_num_threads(1)
-
-
-def end_step() -> None:
-    """The pass :func:`begin_step` began has ended, or failed: torch's thread setting as it was called with."""
-    most = _STEP.__dict__.pop("most", None)
-    if most is not None:
-        torch.set_num_threads(most)
-
-
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract and result as :func:`rdkv.reference.trizone_attention` (to float32 rounding), on the threads
-    :data:`CONTENTION` picks out of those the calling pass began with (:func:`begin_step`), or torch's setting
-    outside a pass; that setting is restored on return (other Python threads running torch ops meanwhile see it
-    too)."""
-    before = torch.get_num_threads()
-    threads = CONTENTION.threads(getattr(_STEP, "most", before))
-    torch.set_num_threads(threads)
-    try:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        out = _attention(query, layer, scaling, sliding_window, softcap, mask)
-        if threads > 1:
-            CONTENTION.record(time.thread_time() - cpu, time.perf_counter() - wall)
-    finally:
-        torch.set_num_threads(before)
-    return out
-
-
-def _attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None,
-               softcap: float | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """Same contract and result as :func:`rdkv.reference.trizone_attention` (to float32 rounding)."""
     q, q_pos, window, m = queries(query, layer, sliding_window, mask)
     (S, GL, D), seq, dev = q.shape, layer.get_seq_length(), query.device
 

@@ -10,11 +10,11 @@ rdkv's vectorised CPU decode (``RDKV_BACKEND=torch``, the default on CPU) and th
 machine's speed hits every row alike; ``--load`` repeats the measurement while another process runs a
 2-thread matmul, as a shared machine does. Each machine state is measured twice, with torch's thread count
 as it is and with one thread (what a user of a shared machine may set), every path in both; ratios are against
-the faster full cache of the two (a pass through a compressed cache on the CPU decode path drops to one thread,
-the model's matmuls included, while it finds the cores contended, :class:`rdkv.cpu_decode.Contention`).
+the faster full cache of the two (a pass through a compressed cache on the CPU decode path runs on the cores
+other processes leave free, the model's matmuls included: :mod:`rdkv.contention`).
 ``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``, with the
-thread handling it had), timed in the same turns, so a change to the path is measured against its predecessor on
-one machine state.
+thread handling that file had, and none at the level of the pass), timed in the same turns, so a change to the
+path is measured against its predecessor on one machine state.
 ``--keep-freed`` has glibc keep the memory a step frees (:func:`keep_freed_memory`) for every row alike.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import rdkv
-from rdkv import cpu_decode
+from rdkv import contention, cpu_decode
 
 LOAD = ("import os, torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nparent = os.getppid()\n"
         "while os.getppid() == parent:  # ends with the benchmark, however it ends\n    a @ a\n")
@@ -80,7 +80,7 @@ def cpu_decode_at(rev: str) -> types.ModuleType:
 
 
 def _none() -> None:
-    """A revision without whole-pass thread handling."""
+    """A revision without thread handling at the level of the pass."""
 
 
 def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str, thread_counts: list[int],
@@ -89,7 +89,7 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
     implementation ``plain``, each under every count of ``thread_counts``, keyed (threads, path);
     ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
     best: dict[tuple[int, str], float] = {}
-    current = cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step
+    current = cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass
     paths = [("torch", "torch", current)] + ([("previous", "torch", (
         previous.trizone_attention, getattr(previous, "begin_step", _none), getattr(previous, "end_step", _none)))]
         if previous else [])
@@ -105,12 +105,12 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
             try:
                 for name, backend, fns in paths:
                     os.environ["RDKV_BACKEND"] = backend
-                    cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step = fns
+                    cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass = fns
                     for budget, cache in caches.items():
                         key = (threads, f"{name} {budget:g}")
                         best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
             finally:
-                cpu_decode.trizone_attention, cpu_decode.begin_step, cpu_decode.end_step = current
+                cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass = current
                 os.environ.pop("RDKV_BACKEND")
                 torch.set_num_threads(most)
     return best

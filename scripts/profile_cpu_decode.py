@@ -5,10 +5,9 @@
 One prefill of GPL-3 text, compressed at ``--budget``; then one new token's attention over layer ``--layer``:
 median microseconds of ``rdkv.cpu_decode``, ``rdkv.reference`` and SDPA over the same layer's full fp32 cache,
 with 2 and 1 threads, on an idle machine and beside a 2-thread matmul, and the share of the CPU path's wall
-time its calling thread was on a core (what :class:`rdkv.cpu_decode.Contention` reads; its switch to one
-thread is held off here, so each row runs on the threads it names); then the bytes the CPU path keeps between
-steps (none), the scratch it holds while a forward pass runs, its top-level torch ops per step and
-torch.profiler's top ops.
+time its calling thread was on a core (beside the load, on two threads, each op waits for a descheduled
+thread); then the bytes the CPU path keeps between steps (none), the scratch it holds while a forward pass
+runs, its top-level torch ops per step and torch.profiler's top ops.
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ def main() -> None:
     with rdkv.record(model) as rec:
         full = model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1).past_key_values
     layer = rdkv.compress(rec, args.budget).layers[args.layer]
-    cpu_decode.CONTENTION.enter = 0.0  # each row runs on the threads it names
     k, v = full.layers[args.layer].keys, full.layers[args.layer].values
     B, H, _, D = k.shape
     G = model.config.num_attention_heads // H
