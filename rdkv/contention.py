@@ -66,28 +66,37 @@ class Contention:
 
 
 CONTENTION = Contention()  # one per process: contention is the machine's, not a cache's
-_PASS = threading.local()  # ``start``: the thread count a pass was called with and its readings at the start
+_PASS = threading.local()  # ``start``: a pass's readings at its start
+_OPEN = {"passes": 0, "threads": 1}  # passes under way in any Python thread, torch's setting before the first
+_LOCK = threading.Lock()
 
 
 def begin_pass() -> None:
     """A model's forward pass through a compressed CPU cache begins: run it on the threads :data:`CONTENTION`
-    leaves free (:func:`end_pass` restores torch's setting)."""
+    leaves free. Torch's setting is the process's: passes under way in several Python threads share the one
+    :func:`end_pass` restores after the last of them."""
     cores = _cores()
     busy = busy_seconds(cores)
     if busy is None:
         return
-    most = torch.get_num_threads()
-    _PASS.start = most, cores, busy, time.process_time(), time.perf_counter()
-    torch.set_num_threads(CONTENTION.threads(most, len(cores)))
+    with _LOCK:
+        if not _OPEN["passes"]:
+            _OPEN["threads"] = torch.get_num_threads()
+        _OPEN["passes"] += 1
+        torch.set_num_threads(CONTENTION.threads(_OPEN["threads"], len(cores)))
+    _PASS.start = cores, busy, time.process_time(), time.perf_counter()
 
 
 def end_pass() -> None:
-    """The pass :func:`begin_pass` began has ended, or failed: torch's setting back, the pass recorded."""
+    """The pass :func:`begin_pass` began has ended, or failed: recorded, and torch's setting back after the last."""
     start = _PASS.__dict__.pop("start", None)
     if start is None:
         return
-    most, cores, busy, own, wall = start
-    torch.set_num_threads(most)
+    cores, busy, own, wall = start
     now = busy_seconds(cores)
-    if now is not None:
-        CONTENTION.record(now - busy, time.process_time() - own, time.perf_counter() - wall)
+    with _LOCK:
+        if now is not None:
+            CONTENTION.record(now - busy, time.process_time() - own, time.perf_counter() - wall)
+        _OPEN["passes"] -= 1
+        if not _OPEN["passes"]:
+            torch.set_num_threads(_OPEN["threads"])

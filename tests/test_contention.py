@@ -120,3 +120,37 @@ def test_passes_record_what_the_machine_did(monkeypatch, model_and_caches):
     assert len(got) == 3 and sum(wall for *_, wall in got) <= elapsed
     for busy, own, wall in got:
         assert 0 < own and 0 < wall and busy >= own - 2 * tick * len(contention._cores())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux only")
+def test_passes_in_two_python_threads_restore_the_setting_after_the_last(monkeypatch):
+    """Torch's thread setting is the process's: the pass that ends first must not restore it under the other."""
+    import threading
+
+    monkeypatch.setattr(contention, "CONTENTION", Contention(others=64.0, window=1e9))
+    most = torch.get_num_threads()
+    torch.set_num_threads(2)
+    steps = [threading.Event() for _ in range(3)]
+    seen = []
+
+    def other():
+        contention.begin_pass()
+        steps[0].set()
+        steps[1].wait()
+        contention.end_pass()
+        seen.append(torch.get_num_threads())
+        steps[2].set()
+
+    try:
+        contention.begin_pass()
+        worker = threading.Thread(target=other)
+        worker.start()
+        steps[0].wait()
+        steps[1].set()
+        steps[2].wait()
+        worker.join()
+        assert seen == [1]  # the other pass ended first: this one still runs on one thread
+        contention.end_pass()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(most)
