@@ -105,12 +105,15 @@ def test_outlier_channels_and_constant_rows_pack_without_loss_of_range():
 
 def test_forwards_after_the_block_leave_the_record_as_it_was():
     """Outside its block nothing changes a record: not a new prefill, not a continuation of the recorded cache;
-    it compresses to the same cache as before them. The block leaves no hooks behind, and the model keeps no
-    reference to the record, so dropping it frees what it holds."""
+    it compresses to the same cache as before them. The block leaves no hooks of its own behind (only the pass
+    hooks of ``rdkv.install``), and the model keeps no reference to the record, so dropping it frees what it holds."""
+    from rdkv.attention import _begin_pass, _end_pass
+
     model = tiny_llama(8)
     rec, out = recorded(model, torch.randint(0, 96, (1, 40)))
     assert rec.closed and rec.hidden.shape[1] == 40 and rec.ids.shape[1] == 40
-    assert not model._forward_pre_hooks and not model.model.norm._forward_hooks
+    assert list(model._forward_pre_hooks.values()) == [_begin_pass] and not model.model.norm._forward_hooks
+    assert list(model._forward_hooks.values()) == [_end_pass]
     ids, hidden, layers = rec.ids.clone(), rec.hidden.clone(), dict(rec.layers)
     versions = {i: (s.key._version, s.value._version) for i, s in layers.items()}
     before = rdkv.compress(rec, 0.3, **SMALL)
