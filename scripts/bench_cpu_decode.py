@@ -90,9 +90,8 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
     ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
     best: dict[tuple[int, str], float] = {}
     current = cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass
-    paths = [("torch", "torch", current)] + ([("previous", "torch", (
-        previous.trizone_attention, getattr(previous, "begin_step", _none), getattr(previous, "end_step", _none)))]
-        if previous else [])
+    paths = [("torch", "torch", current)] + ([("previous", "torch", (previous.trizone_attention, _none, _none))]
+                                             if previous else [])
     paths.append(("reference", "reference", current))
     most = torch.get_num_threads()
     for _ in range(repeats):
