@@ -14,11 +14,15 @@ per stored tensor, whatever the number of streams, tokens or channel blocks:
 * causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
   every segment and of zone C go through one softmax.
 
+Where a C compiler is found, each stored tensor is dequantized by one call into :mod:`rdkv.kernels.cpu_dequant`
+instead (same layouts, one pass over the codes and one write of each float, no gather): the torch ops above are
+the path where none is, and the two are tested equal.
+
 The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
-are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` are the only functions here that know
-the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
+are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` (and the C functions they call) are the
+only functions here that know the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
 other work leaves free, :mod:`rdkv.contention`).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from . import quant, rope
 from .dense import allowed_keys
+from .kernels import cpu_dequant
 from .reference import queries
 from .trizone import V_CLASSES, TriZoneLayer
 
@@ -145,7 +150,7 @@ def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> 
     groups = -(-n[ps] // kg)
     row0, group0 = np.cumsum(rows) - rows, np.cumsum(groups) - groups
     K = scratch("dequantized", (nb * S, kb, N), torch.float32, dev)  # pair p's channel block, tokens 0..N-1 of its stream
-    a = 0
+    a, native = 0, cpu_dequant.library() if dev.type == "cpu" else None
     for w in quant.WIDTHS:
         pairs = int((pw == w).sum())
         if not pairs:
@@ -153,6 +158,10 @@ def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> 
         out, at = K[a : a + pairs], slice(a, a + pairs)
         if w == 0:
             out.copy_(t["k0.mean"].unsqueeze(2).expand(pairs, kb, N))
+        elif native:
+            scale, zero = (None, None) if w == 16 else (t[f"k{w}.scale"], t[f"k{w}.zero"])
+            cpu_dequant.keys(out, t["k16" if w == 16 else f"k{w}.codes"], scale, zero, w, kg, row0[at] - row0[a],
+                             n[ps[at]], group0[at] - group0[a])
         elif w == 16:
             out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
         else:
@@ -200,6 +209,12 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
+    values = scratch("dequantized", (S, N, D), torch.float32, dev)
+    if dev.type == "cpu" and cpu_dequant.library():
+        cpu_dequant.values(values, {w: (t["v16"], None, None) if w == 16 else (t[f"v{w}.codes"], t[f"v{w}.scale"],
+                                 t[f"v{w}.zero"]) for w in V_CLASSES}, {w: spec.v_group_of(w) for w in quant.PACKED},
+                           counts)
+        return values
     n, per_class = counts.sum(1), counts.sum(0)
     total = int(n.sum())
     flat = scratch("stored values", (total + 1, D), torch.float32, dev)
@@ -220,8 +235,7 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
     index = np.full((S, N), total)
     index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
-    out = scratch("dequantized", (S * N, D), torch.float32, dev)
-    return torch.index_select(flat, 0, _index(index, dev), out=out).view(S, N, D)
+    return torch.index_select(flat, 0, _index(index, dev), out=values.view(S * N, D)).view(S, N, D)
 
 
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,

@@ -18,10 +18,22 @@ from test_kernel_decode import GRID, ROPE_GRID, _decode_logits, build, query, ro
 
 import rdkv
 from rdkv import cpu_decode, reference
+from rdkv.kernels import cpu_dequant
 from rdkv.trizone import PackSpec
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(params=["C", "torch"])
+def dequant(request, monkeypatch):
+    """Each test with this fixture runs twice: dequantizing with the C functions (kernels/cpu_dequant.c) and in
+    torch (where no compiler builds them)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_dequant, "library", lambda: None)
+    elif cpu_dequant.library() is None:
+        pytest.skip("no C compiler builds kernels/cpu_dequant.c here")
+    return request.param
 
 
 def check(layer, q, window=None, softcap=None, mask=None):
@@ -35,7 +47,7 @@ def check(layer, q, window=None, softcap=None, mask=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", range(len(GRID)))
-def test_matches_the_oracle_over_the_grid(case, dtype):
+def test_matches_the_oracle_over_the_grid(case, dtype, dequant):
     """Every row of the kernel's grid (head_dims 64-256, GQA groups 1-8, L = 1 and 3, zone A empty to 1024
     tokens, zone C empty to 130, batches of per-stream allocations) in all three query dtypes."""
     B, H, T, D, n_c, G, L, _, vmix, kmix = GRID[case]
@@ -44,7 +56,7 @@ def test_matches_the_oracle_over_the_grid(case, dtype):
 
 
 @pytest.mark.parametrize("seed,T,D,start,G,L,dtype,vmix,kmix", ROPE_GRID, ids=[f"D{c[2]}-start{c[3]}" for c in ROPE_GRID])
-def test_pre_rope_keys(seed, T, D, start, G, L, dtype, vmix, kmix):
+def test_pre_rope_keys(seed, T, D, start, G, L, dtype, vmix, kmix, dequant):
     layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix)
     q = query(layer, G, L, dtype)
     plain = cpu_decode.trizone_attention(q, layer, D ** -0.5)
@@ -53,19 +65,19 @@ def test_pre_rope_keys(seed, T, D, start, G, L, dtype, vmix, kmix):
     assert (got.float() - plain.float()).abs().max() > 0.05  # the rotation happened
 
 
-def test_every_mix_of_width_classes_and_unsorted_k_blocks():
+def test_every_mix_of_width_classes_and_unsorted_k_blocks(dequant):
     for layer, q in width_mixes(H=2):
         check(layer, q)
 
 
-def test_ragged_and_empty_streams():
+def test_ragged_and_empty_streams(dequant):
     layer = build(seed=7, B=3, H=2, T=600, D=64, n_c=70, empty_streams=2)
     check(layer, query(layer, 4, 3, torch.float16))
     layer = build(seed=8, B=2, H=1, T=50, D=64, n_c=0, vmix=(0,))  # nothing kept, no zone C: zero output
     assert check(layer, query(layer, 2, 1, torch.float32)).abs().max() == 0
 
 
-def test_sliding_windows_masks_and_softcap():
+def test_sliding_windows_masks_and_softcap(dequant):
     layer = build(seed=3, B=2, H=1, T=400, D=64, n_c=20, start=1000, window=150)
     check(layer, query(layer, 3, 3, torch.float32))
     layer = build(seed=4, B=1, H=2, T=300, D=128, n_c=8)
@@ -79,7 +91,7 @@ def test_sliding_windows_masks_and_softcap():
     check(layer, query(layer, 2, 1, torch.float32) * 4, softcap=5.0)
 
 
-def test_folds_and_other_pack_specs():
+def test_folds_and_other_pack_specs(dequant):
     layer = build(seed=13, B=2, H=2, T=300, D=64, n_c=0)
     layer.t["rope"] = rope_table(64)  # a pre-RoPE prefix beside post-RoPE folds
     layer.folds = [build(seed=14, B=2, H=2, T=150, D=64, n_c=0, start=300),

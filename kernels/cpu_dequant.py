@@ -1,0 +1,153 @@
+"""Dequantization of a packed TriZone segment on a CPU in one pass per stored tensor (``cpu_dequant.c``).
+
+A decode step through a small model's compressed cache is, in torch, a few hundred ops per layer, each
+paying microseconds of fixed cost and most a pass over megabytes of floats (shift, mask, convert, scale,
+offset, gather); the C functions read the codes once and write each float once. They are built on first
+use with the system C compiler (``$CC``, else ``cc``) into the user's cache directory, keyed by the
+source, the flags and the CPU, then loaded with ctypes: well under a second once per machine, nothing to
+install. Where no compiler works, :func:`library` returns None and :mod:`rdkv.cpu_decode` runs the same
+computation in torch (its reference here; the tests hold the two equal).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rdkv.errors import RDKVError
+
+SOURCE = Path(__file__).with_name("cpu_dequant.c")
+# The first that builds. 256-bit vectors: a value row's loops run 16 to 32 times, which 512-bit vectors of bytes
+# (64 lanes) would leave wholly to the scalar remainder (2.2x slower on an EPYC Zen 4).
+FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
+         ["-O3", "-fopenmp"], ["-O3"])
+V_CLASSES = (2, 4, 8, 16)
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the CPU's model and flags where /proc/cpuinfo says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "".join([x for x in lines if x.startswith(("model name", "flags"))][:2])
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (with a warning once) where no compiler builds it."""
+    src = SOURCE.read_bytes()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rdkv"
+    cc = os.environ.get("CC", "cc")
+    errors = []
+    for flags in FLAGS:
+        key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu())).encode()).hexdigest()[:16]
+        so = cache / f"cpu_dequant-{key}.so"
+        if not so.exists():
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: no half-written file
+                    out = Path(tmp) / so.name
+                    subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)], check=True,
+                                   capture_output=True, text=True, timeout=120)
+                    out.replace(so)
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{cc} {' '.join(flags)}: {getattr(e, 'stderr', '') or e}")
+                continue
+        lib = ctypes.CDLL(str(so))
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        lib.rdkv_values.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, I64, ctypes.c_int, P, ctypes.c_int]
+        lib.rdkv_keys.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, I64, I64, P, ctypes.c_int]
+        return lib
+    warnings.warn("rdkv: no C compiler built kernels/cpu_dequant.c, CPU decode dequantizes in torch (slower): "
+                  + "; ".join(errors)[:2000], RuntimeWarning, stacklevel=2)
+    return None
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def _check(name: str, x: torch.Tensor, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+    if x.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)) or tuple(x.shape) != shape \
+            or not x.is_contiguous() or x.device.type != "cpu":
+        raise RDKVError(f"{name}: expected a contiguous CPU tensor {shape} of {dtype}, got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+
+
+def _int64(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if x.dtype != np.int64 or x.shape != shape or not x.flags.c_contiguous:
+        raise RDKVError(f"{name}: expected a contiguous int64 array {shape}, got {x.shape} {x.dtype}")
+    return x
+
+
+def values(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+           group: dict[int, int], counts: np.ndarray) -> None:
+    """``out`` [S, N, D] float32 := the values of one segment, stream s's tokens its class runs in class order,
+    zero rows past its count, channel 2j + i at column i * D/2 + j.
+
+    ``stored[w]`` = (codes [rows, D * w / 8] uint8, scale, zero [rows, D / group[w]] fp16) of class w, or (rows
+    [rows, D] fp16/bf16, None, None) for class 16; ``counts`` [S, 4] int64 (numpy), rows per stream and class.
+    """
+    S, N, D = out.shape
+    _int64("counts", counts, (S, 4))
+    _check("out", out, torch.float32, (S, N, D))
+    if int(counts.sum(1).max(initial=0)) > N or D % 2:
+        raise RDKVError(f"values: N={N} is below a stream's count or D={D} is odd")
+    codes, scale, zero, groups, bf16 = [None] * 4, [None] * 4, [None] * 4, [1] * 4, 0
+    for c, w in enumerate(V_CLASSES):
+        rows = int(counts[:, c].sum())
+        if w not in stored or not rows:
+            continue
+        x, s, z = stored[w]
+        if w == 16:
+            _check("class 16 rows", x, (torch.float16, torch.bfloat16), (rows, D))
+            bf16 = int(x.dtype == torch.bfloat16)
+        else:
+            g = groups[c] = group[w]
+            _check(f"class {w} codes", x, torch.uint8, (rows, D * w // 8))
+            _check(f"class {w} scale", s, torch.float16, (rows, D // g))
+            _check(f"class {w} zero", z, torch.float16, (rows, D // g))
+            scale[c], zero[c] = _ptr(s), _ptr(z)
+        codes[c] = _ptr(x)
+    P, I64 = ctypes.c_void_p * 4, ctypes.c_int64 * 4
+    library().rdkv_values(P(*codes), P(*scale), P(*zero), I64(*groups), counts.ctypes.data, S, N, D, bf16,
+                          out.data_ptr(), torch.get_num_threads())
+
+
+def keys(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
+         k_group: int, row0: np.ndarray, n: np.ndarray, group0: np.ndarray) -> None:
+    """``out`` [pairs, kb, N] float32 := the keys of the (channel block, stream) pairs of one width, channel-major:
+    pair p's n[p] rows from stored row row0[p] on, scale and zero per ``k_group`` tokens from group group0[p] on,
+    zero past n[p].
+
+    ``codes`` [rows, kb * bits / 8] uint8 with ``scale``/``zero`` [groups, kb] fp16, or [rows, kb] fp16/bf16 rows
+    at 16 bits (no scale); ``row0``, ``n``, ``group0`` [pairs] int64 (numpy).
+    """
+    pairs, kb, N = out.shape
+    _check("out", out, torch.float32, (pairs, kb, N))
+    for name, x in (("row0", row0), ("n", n), ("group0", group0)):
+        _int64(name, x, (pairs,))
+    rows, groups = codes.shape[0], 0
+    if bits == 16:
+        _check("16-bit rows", codes, (torch.float16, torch.bfloat16), (rows, kb))
+    else:
+        _check("codes", codes, torch.uint8, (rows, kb * bits // 8))
+        groups = scale.shape[0]
+        _check("scale", scale, torch.float16, (groups, kb))
+        _check("zero", zero, torch.float16, (groups, kb))
+    if pairs and (int(n.max()) > N or int((row0 + n).max()) > rows
+                  or bits != 16 and int((group0 + (n + k_group - 1) // k_group).max()) > groups):
+        raise RDKVError("keys: a pair's rows or scale groups run past the stored tensors, or past N")
+    library().rdkv_keys(codes.data_ptr(), _ptr(scale), _ptr(zero), bits, int(codes.dtype == torch.bfloat16), kb,
+                        k_group, row0.ctypes.data, n.ctypes.data, group0.ctypes.data, pairs, N, out.data_ptr(),
+                        torch.get_num_threads())
