@@ -8,6 +8,7 @@
  * Codes: code i of byte j is channel j * (8 / bits) + i (quant.pack). Scales and zeros are fp16.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef _Float16 half;
@@ -63,80 +64,152 @@ static void v_rows(const void *stored, const half *scale, const half *zero, int 
     }
 }
 
-#define CHUNK 256 /* rows per work item */
+/* Tokens t0 <= t < t1 of one pair's keys into o[c * ld + t - t0], channel c of kb: ``x`` the pair's first stored
+ * row (rb bytes: codes of ``bits`` bits, channel c at bits [bits * c, bits * (c + 1)) of its row, or 16-bit
+ * values), ``scale``/``zero`` the [kb] row of the tokens' group. */
+static void k_tile(const uint8_t *restrict x, int bits, int bf16, int64_t kb, int64_t rb, const half *scale,
+                   const half *zero, int64_t t0, int64_t t1, float *restrict o, int64_t ld) {
+    const int64_t m = (1 << bits) - 1;
+    for (int64_t c = 0; c < kb; c++, o += ld) {
+        if (bits == 16) {
+            for (int64_t t = t0; t < t1; t++) o[t - t0] = x16(x, t * kb + c, bf16);
+            continue;
+        }
+        const int64_t sh = bits * c;
+        const float s = (float)scale[c], z = (float)zero[c];
+        if (rb == 8)
+            for (int64_t t = t0; t < t1; t++) {
+                uint64_t r;
+                memcpy(&r, x + t * 8, 8);
+                o[t - t0] = (float)((r >> sh) & m) * s + z;
+            }
+        else if (rb == 4)
+            for (int64_t t = t0; t < t1; t++) {
+                uint32_t r;
+                memcpy(&r, x + t * 4, 4);
+                o[t - t0] = (float)((r >> sh) & m) * s + z;
+            }
+        else
+            for (int64_t t = t0; t < t1; t++) o[t - t0] = (float)((x[t * rb + sh / 8] >> (sh % 8)) & m) * s + z;
+    }
+}
 
-/* The values of a segment, out [S, N, D]: stream s's tokens are its class runs in class order (2, 4, 8, 16),
- * zero rows past its count. ``counts`` [S, 4] int64; per class c: codes[c] (the 16-bit rows for class 16),
- * scale[c], zero[c], group[c]; a class without rows may pass NULL; ``bf16``: class 16 rows are bf16, not fp16. */
-void rdkv_values(const void *const codes[4], const half *const scale[4], const half *const zero[4],
-                 const int64_t group[4], const int64_t *counts, int64_t S, int64_t N, int64_t D, int bf16,
-                 float *out, int threads) {
+/* The keys of the (channel block, stream) pairs of one width (2, 4, 8 or 16 bits), out [pairs, kb, N]
+ * channel-major: pair p's n[p] rows from stored row row0[p] on, scale and zero [., kb] per ``kg`` tokens from
+ * group group0[p] on; zero past n[p]; ``bf16``: 16-bit rows are bf16. */
+void rdkv_keys(const void *codes, const half *scale, const half *zero, int bits, int bf16, int64_t kb, int64_t kg,
+               const int64_t *row0, const int64_t *n, const int64_t *group0, int64_t pairs, int64_t N, float *out,
+               int threads) {
+    const int64_t groups = (N + kg - 1) / kg, rb = bits == 16 ? 2 * kb : kb * bits / 8;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t p = 0; p < pairs; p++)
+        for (int64_t q = 0; q < groups; q++) {
+            const int64_t t0 = q * kg, t1 = t0 + kg < N ? t0 + kg : N, live = n[p] < t1 ? n[p] : t1;
+            float *o = out + p * kb * N + t0;
+            if (live > t0) {
+                const int64_t at = bits == 16 ? 0 : (group0[p] + q) * kb;
+                k_tile((const uint8_t *)codes + row0[p] * rb, bits, bf16, kb, rb, scale + at, zero + at, t0, live, o, N);
+            }
+            for (int64_t c = 0; c < kb; c++)
+                for (int64_t t = live > t0 ? live : t0; t < t1; t++) o[c * N + t - t0] = 0.0f;
+        }
+}
+
+/* scores [S, GL, N] += for each (channel block, stream) pair p of one width: its query block qb [pairs, GL, kb]
+ * dotted with its keys (as rdkv_keys reads them; width 0: the channel means, row row0[p] of ``codes``) at its
+ * tokens t < n[p], into the rows of stream stream[p]; later tokens are left as they are. The keys are never
+ * written out: each tile of kg tokens is dequantized into a buffer the cache's L1 holds, then multiplied. */
+int rdkv_scores(const void *codes, const half *scale, const half *zero, int bits, int bf16, int64_t kb, int64_t kg,
+                const int64_t *row0, const int64_t *n, const int64_t *group0, const int64_t *stream, int64_t pairs,
+                const float *qb, int64_t GL, int64_t N, float *scores, int threads) {
+    const int64_t groups = (N + kg - 1) / kg, rb = bits == 16 ? 2 * kb : kb * bits / 8;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = bits ? malloc((size_t)(kb * kg) * sizeof(float)) : 0;
+        if (bits && !tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static) /* a token group per item: the pairs of a stream add into disjoint tokens */
+        for (int64_t q = 0; q < groups; q++)
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t t0 = q * kg, live = n[p] < t0 + kg ? n[p] : t0 + kg;
+                if (live <= t0) continue;
+                const float *qp = qb + p * GL * kb;
+                float *sc = scores + stream[p] * GL * N + t0;
+                if (!bits) {
+                    const half *mean = (const half *)codes + row0[p] * kb;
+                    for (int64_t l = 0; l < GL; l++) {
+                        float w = 0.0f;
+                        for (int64_t c = 0; c < kb; c++) w += qp[l * kb + c] * (float)mean[c];
+                        for (int64_t t = 0; t < live - t0; t++) sc[l * N + t] += w;
+                    }
+                    continue;
+                }
+                if (!tile) continue; /* out of memory: reported */
+                const int64_t at = bits == 16 ? 0 : (group0[p] + q) * kb;
+                k_tile((const uint8_t *)codes + row0[p] * rb, bits, bf16, kb, rb, scale + at, zero + at, t0, live, tile, kg);
+                for (int64_t l = 0; l < GL; l++)
+                    for (int64_t c = 0; c < kb; c++) {
+                        const float w = qp[l * kb + c], *restrict k = tile + c * kg;
+                        float *restrict row = sc + l * N;
+                        for (int64_t t = 0; t < live - t0; t++) row[t] += w * k[t];
+                    }
+            }
+        free(tile);
+    }
+    return failed;
+}
+
+#define TILE 64 /* value rows dequantized at a time (64 KiB at D = 256) */
+
+/* out [S, GL, D] (channel 2j + i at column i * D/2 + j) += p [S, GL, .] times the values of a segment, stream s's
+ * tokens its class runs in class order as rdkv_values reads them; p[s, l, t] at p + (s * GL + l) * ldp + t. */
+int rdkv_attend(const void *const codes[4], const half *const scale[4], const half *const zero[4],
+                const int64_t group[4], const int64_t *counts, int64_t S, int64_t D, int bf16, const float *p,
+                int64_t GL, int64_t ldp, float *out, int threads) {
     static const int bits[4] = {2, 4, 8, 16};
     int64_t chunks = 0;
+    int failed = 0;
     for (int64_t i = 0; i < S * 4; i++) {
-        const int64_t m = (counts[i] + CHUNK - 1) / CHUNK;
+        const int64_t m = (counts[i] + TILE - 1) / TILE;
         chunks = m > chunks ? m : chunks;
     }
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for collapse(3) schedule(dynamic, 1) nowait
+        float *tile = malloc((size_t)(TILE * D) * sizeof(float)), *acc = calloc((size_t)(S * GL * D), sizeof(float));
+        if (!tile || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t s = 0; s < S; s++)
             for (int c = 0; c < 4; c++)
                 for (int64_t q = 0; q < chunks; q++) {
-                    const int64_t rows = counts[s * 4 + c], r0 = q * CHUNK, r1 = r0 + CHUNK < rows ? r0 + CHUNK : rows;
-                    if (r0 >= r1) continue;
+                    const int64_t rows = counts[s * 4 + c], r0 = q * TILE, r1 = r0 + TILE < rows ? r0 + TILE : rows;
+                    if (r0 >= r1 || !tile || !acc) continue;
                     int64_t before = r0, at = r0; /* stored row in the class tensor, token in the stream */
                     for (int64_t u = 0; u < s; u++) before += counts[u * 4 + c];
                     for (int u = 0; u < c; u++) at += counts[s * 4 + u];
                     const int64_t G = bits[c] == 16 ? 0 : D / group[c];
                     v_rows((const uint8_t *)codes[c] + before * D * bits[c] / 8, bits[c] == 16 ? 0 : scale[c] + before * G,
-                           bits[c] == 16 ? 0 : zero[c] + before * G, bits[c], bf16, r1 - r0, D, group[c],
-                           out + (s * N + at) * D);
+                           bits[c] == 16 ? 0 : zero[c] + before * G, bits[c], bf16, r1 - r0, D, group[c], tile);
+                    for (int64_t l = 0; l < GL; l++) {
+                        const float *pl = p + (s * GL + l) * ldp + at;
+                        float *restrict a = acc + (s * GL + l) * D;
+                        for (int64_t r = 0; r < r1 - r0; r++) {
+                            const float w = pl[r], *restrict v = tile + r * D;
+                            for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
+                        }
+                    }
                 }
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < S; s++) {
-            const int64_t n = counts[s * 4] + counts[s * 4 + 1] + counts[s * 4 + 2] + counts[s * 4 + 3];
-            memset(out + (s * N + n) * D, 0, (size_t)((N - n) * D) * sizeof(float));
+        if (acc) {
+#pragma omp critical
+            for (int64_t i = 0; i < S * GL * D; i++) out[i] += acc[i];
         }
+        free(tile);
+        free(acc);
     }
-}
-
-/* The keys of the (channel block, stream) pairs of one width, out [pairs, kb, N] channel-major: pair p's
- * n[p] rows from stored row row0[p] on (kb channels each, ``bits``-bit codes or fp16 at 16 bits), scale and
- * zero [., kb] per ``kg`` tokens from group group0[p] on; zero past n[p]; ``bf16``: 16-bit rows are bf16. */
-void rdkv_keys(const void *codes, const half *scale, const half *zero, int bits, int bf16, int64_t kb, int64_t kg,
-               const int64_t *row0, const int64_t *n, const int64_t *group0, int64_t pairs, int64_t N, float *out,
-               int threads) {
-    const int64_t groups = (N + kg - 1) / kg, rb = bits == 16 ? 2 * kb : kb * bits / 8, m = (1 << bits) - 1;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < pairs; p++)
-        for (int64_t q = 0; q < groups; q++) {
-            const int64_t t0 = q * kg, t1 = t0 + kg < N ? t0 + kg : N, live = n[p] < t1 ? n[p] : t1;
-            const uint8_t *restrict x = (const uint8_t *)codes + row0[p] * rb; /* the pair's first row */
-            for (int64_t c = 0; c < kb; c++) {
-                float *restrict o = out + (p * kb + c) * N;
-                if (bits == 16) {
-                    for (int64_t t = t0; t < live; t++) o[t] = x16(x, t * kb + c, bf16);
-                } else if (live > t0) { /* channel c is bits [bits * c, bits * (c + 1)) of its row */
-                    const int64_t at = (group0[p] + q) * kb + c, sh = bits * c;
-                    const float s = (float)scale[at], z = (float)zero[at];
-                    if (rb == 8)
-                        for (int64_t t = t0; t < live; t++) {
-                            uint64_t r;
-                            memcpy(&r, x + t * 8, 8);
-                            o[t] = (float)((r >> sh) & m) * s + z;
-                        }
-                    else if (rb == 4)
-                        for (int64_t t = t0; t < live; t++) {
-                            uint32_t r;
-                            memcpy(&r, x + t * 4, 4);
-                            o[t] = (float)((r >> sh) & m) * s + z;
-                        }
-                    else
-                        for (int64_t t = t0; t < live; t++)
-                            o[t] = (float)((x[t * rb + sh / 8] >> (sh % 8)) & m) * s + z;
-                }
-                for (int64_t t = live > t0 ? live : t0; t < t1; t++) o[t] = 0.0f;
-            }
-        }
+    return failed; /* out of memory: part of the sum is missing */
 }

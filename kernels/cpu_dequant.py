@@ -65,8 +65,10 @@ def library() -> ctypes.CDLL | None:
                 continue
         lib = ctypes.CDLL(str(so))
         P, I64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rdkv_values.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, I64, ctypes.c_int, P, ctypes.c_int]
         lib.rdkv_keys.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, I64, I64, P, ctypes.c_int]
+        lib.rdkv_scores.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, P, I64, P, I64, I64, P,
+                                    ctypes.c_int]
+        lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
         return lib
     warnings.warn("rdkv: no C compiler built kernels/cpu_dequant.c, CPU decode dequantizes in torch (slower): "
                   + "; ".join(errors)[:2000], RuntimeWarning, stacklevel=2)
@@ -90,23 +92,26 @@ def _int64(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
-def values(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-           group: dict[int, int], counts: np.ndarray) -> None:
-    """``out`` [S, N, D] float32 := the values of one segment, stream s's tokens its class runs in class order,
-    zero rows past its count, channel 2j + i at column i * D/2 + j.
+def attend(out: torch.Tensor, p: torch.Tensor,
+           stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], group: dict[int, int],
+           counts: np.ndarray) -> None:
+    """``out`` [S, GL, D] float32 (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] float32 (rows of unit
+    stride) times the values of one segment: stream s's tokens its class runs in class order (2, 4, 8, 16).
 
     ``stored[w]`` = (codes [rows, D * w / 8] uint8, scale, zero [rows, D / group[w]] fp16) of class w, or (rows
     [rows, D] fp16/bf16, None, None) for class 16; ``counts`` [S, 4] int64 (numpy), rows per stream and class.
     """
-    S, N, D = out.shape
+    S, GL, D = out.shape
     _int64("counts", counts, (S, 4))
-    _check("out", out, torch.float32, (S, N, D))
-    if int(counts.sum(1).max(initial=0)) > N or D % 2:
-        raise RDKVError(f"values: N={N} is below a stream's count or D={D} is odd")
+    _check("out", out, torch.float32, (S, GL, D))
+    if p.dtype != torch.float32 or p.shape[:2] != (S, GL) or p.stride(2) != 1 or p.stride(0) != GL * p.stride(1) \
+            or int(counts.sum(1).max(initial=0)) > p.shape[2] or D % 2 or p.device.type != "cpu":
+        raise RDKVError(f"attend: p must be float32 [{S}, {GL}, >= every stream's count] with rows of unit stride, "
+                        f"got {p.dtype} {tuple(p.shape)} strides {p.stride()}; D={D} must be even")
     codes, scale, zero, groups, bf16 = [None] * 4, [None] * 4, [None] * 4, [1] * 4, 0
     for c, w in enumerate(V_CLASSES):
         rows = int(counts[:, c].sum())
-        if w not in stored or not rows:
+        if not rows:
             continue
         x, s, z = stored[w]
         if w == 16:
@@ -120,8 +125,9 @@ def values(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor
             scale[c], zero[c] = _ptr(s), _ptr(z)
         codes[c] = _ptr(x)
     P, I64 = ctypes.c_void_p * 4, ctypes.c_int64 * 4
-    library().rdkv_values(P(*codes), P(*scale), P(*zero), I64(*groups), counts.ctypes.data, S, N, D, bf16,
-                          out.data_ptr(), torch.get_num_threads())
+    if library().rdkv_attend(P(*codes), P(*scale), P(*zero), I64(*groups), counts.ctypes.data, S, D, bf16,
+                             p.data_ptr(), GL, p.stride(1), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("rdkv_attend: out of memory for its per-thread buffers")
 
 
 def keys(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
@@ -151,3 +157,34 @@ def keys(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zer
     library().rdkv_keys(codes.data_ptr(), _ptr(scale), _ptr(zero), bits, int(codes.dtype == torch.bfloat16), kb,
                         k_group, row0.ctypes.data, n.ctypes.data, group0.ctypes.data, pairs, N, out.data_ptr(),
                         torch.get_num_threads())
+
+
+def scores(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
+           k_group: int, row0: np.ndarray, n: np.ndarray, group0: np.ndarray, stream: np.ndarray,
+           query: torch.Tensor) -> None:
+    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p of one width: ``query`` [pairs, GL, kb]
+    float32 (its query block) dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]; the
+    keys as :func:`keys` reads them, or at width 0 the channel means ``codes`` [., kb] fp16, row row0[p]. The keys
+    are never written out."""
+    S, GL, N = out.shape
+    pairs, kb = query.shape[0], query.shape[2]
+    _check("out", out, torch.float32, (S, GL, N))
+    _check("query", query, torch.float32, (pairs, GL, kb))
+    for name, x in (("row0", row0), ("n", n), ("group0", group0), ("stream", stream)):
+        _int64(name, x, (pairs,))
+    rows, groups = codes.shape[0], 0
+    if bits in (0, 16):
+        _check("16-bit rows", codes, (torch.float16,) if bits == 0 else (torch.float16, torch.bfloat16), (rows, kb))
+    else:
+        _check("codes", codes, torch.uint8, (rows, kb * bits // 8))
+        groups = scale.shape[0]
+        _check("scale", scale, torch.float16, (groups, kb))
+        _check("zero", zero, torch.float16, (groups, kb))
+    if pairs and (int(n.max()) > N or int(stream.min()) < 0 or int(stream.max()) >= S
+                  or int((row0 + (1 if bits == 0 else n)).max()) > rows
+                  or bits not in (0, 16) and int((group0 + (n + k_group - 1) // k_group).max()) > groups):
+        raise RDKVError("scores: a pair's rows, scale groups or stream run past the stored tensors, N or S")
+    if library().rdkv_scores(codes.data_ptr(), _ptr(scale), _ptr(zero), bits, int(codes.dtype == torch.bfloat16), kb,
+                             k_group, row0.ctypes.data, n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs,
+                             query.data_ptr(), GL, N, out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("rdkv_scores: out of memory for its per-thread buffers")

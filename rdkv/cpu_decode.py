@@ -21,8 +21,8 @@ the path where none is, and the two are tested equal.
 The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
-are what ``nbytes`` counts. :func:`read_keys` and :func:`read_values` (and the C functions they call) are the
-only functions here that know the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
+are what ``nbytes`` counts. :func:`key_scores`, :func:`read_values` and :func:`add_values` (and the C functions
+they call) are the only functions here that know the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
 other work leaves free, :mod:`rdkv.contention`).
 """
 from __future__ import annotations
@@ -100,36 +100,31 @@ def _windows(x: torch.Tensor, first: np.ndarray, length: int) -> torch.Tensor:
                                                                          x.dtype, dev))
 
 
-class Keys(NamedTuple):
-    """The keys of one packed segment: N tokens per stream (a multiple of ``k_group``, >= every stream's count)
-    in its stored order.
+class Scores(NamedTuple):
+    """The query's dot products with one packed segment's keys: N tokens per stream (a multiple of ``k_group``,
+    >= every stream's count) in its stored order."""
 
-    A stream's scores are the sum, over the rows j of ``keys`` with ``stream[j]`` = s, of query block
-    ``query_block[j]`` dotted with ``keys[j]``: the query [S, L, D] gathered along D by ``k_perm`` and cut into
-    blocks [S * D / k_block, L, k_block] (stream-major), or the query itself where ``k_perm`` is None.
-    """
-
-    keys: torch.Tensor  # [P, C, N] float32: one channel block (or all D channels) of N tokens of one stream
-    query_block: torch.Tensor  # [P]
-    stream: torch.Tensor  # [P]
-    k_perm: torch.Tensor | None  # [S, D]
+    scores: torch.Tensor  # [S, GL, N] float32, unscaled; anything past a stream's count
     positions: torch.Tensor | None  # [S, N]: another kept token's past a stream's count
     kept: torch.Tensor  # [S, N] bool
 
 
-def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> Keys:
-    """The keys of one packed segment, dequantized per (channel block, stream) pair in storage order, channel-major
-    (each pair [k_block, N]: the score product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block]
-    on a 2-core EPYC, docs/benchmarks.md).
+def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions: bool = True) -> Scores:
+    """``q`` [S, GL, D] float32 dotted with the keys of one packed segment, per (channel block, stream) pair.
 
     The pairs of each width are stored block-major, each with n[s] rows in its stream's token order (one
-    channel-mean row for width 0) and its scale groups likewise: pair p takes the N rows and N / k_group groups
-    from its first on, reading past its own into the next pair's or zeros (tokens that are not kept). Pre-RoPE
-    keys are put in the model's channel order and rotated to their positions. Positions are read only when
-    ``positions`` (or to rotate keys).
+    channel-mean row for width 0) and its scale groups likewise. The query is permuted into each stream's packed
+    channel order (q . k = q[perm] . k[perm]) and cut into the same blocks; each pair's block of the query meets
+    its keys, and the products of a stream's pairs add up. With the C functions
+    (:func:`rdkv.kernels.cpu_dequant.scores`) the keys are dequantized a tile at a time beside the product and
+    never written out; in torch, each pair takes the N rows and N / k_group groups from its first on, reading past
+    its own into the next pair's or zeros (tokens that are not kept), dequantized channel-major (each pair
+    [k_block, N]: the product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block] on a 2-core EPYC,
+    docs/benchmarks.md). Pre-RoPE keys are dequantized whole, put in the model's channel order and rotated to
+    their positions. Positions are read only when ``positions`` (or to rotate keys).
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
-    S, dev = seg.batch * seg.heads, seg.device
+    (S, GL, _), dev = q.shape, seg.device
     kb, kg = spec.k_block, spec.k_group
     nb = D // kb
     n = counts.sum(1)  # tokens per stream
@@ -149,8 +144,26 @@ def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> 
     rows = np.where(pw == 0, 1, n[ps])  # stored rows per pair
     groups = -(-n[ps] // kg)
     row0, group0 = np.cumsum(rows) - rows, np.cumsum(groups) - groups
+    block = ps * nb + pair // S  # row of the query's [S * nb, ., kb] block view each pair meets
+    if not rope_keys:  # the query in each stream's packed channel order, in blocks
+        qv = q.gather(2, t["k_perm"].long().unsqueeze(1).expand(S, GL, D)).view(S, GL, nb, kb)
+        qv = qv.transpose(1, 2).reshape(S * nb, GL, kb)
+    native = cpu_dequant.library() if dev.type == "cpu" else None
+    if native and not rope_keys:
+        s, a = torch.zeros(S, GL, N, device=dev), 0
+        for w in quant.WIDTHS:
+            pairs = int((pw == w).sum())
+            if pairs:
+                at = slice(a, a + pairs)
+                stored = t["k0.mean" if w == 0 else "k16" if w == 16 else f"k{w}.codes"]
+                scale, zero = (None, None) if w in (0, 16) else (t[f"k{w}.scale"], t[f"k{w}.zero"])
+                cpu_dequant.scores(s, stored, scale, zero, w, kg, row0[at] - row0[a], n[ps[at]], group0[at] - group0[a],
+                                   ps[at], qv.index_select(0, _index(block[at], dev)))
+            a += pairs
+        return Scores(s, pos, kept)
+
     K = scratch("dequantized", (nb * S, kb, N), torch.float32, dev)  # pair p's channel block, tokens 0..N-1 of its stream
-    a, native = 0, cpu_dequant.library() if dev.type == "cpu" else None
+    a = 0
     for w in quant.WIDTHS:
         pairs = int((pw == w).sum())
         if not pairs:
@@ -173,13 +186,13 @@ def read_keys(seg: TriZoneLayer, counts: np.ndarray, positions: bool = True) -> 
                 out.mul_(scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
                 out.add_(zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
         a += pairs
-    block = _index(ps * nb + pair // S, dev)  # row of the query's [S * nb, ., kb] block view each pair meets
+    block = _index(block, dev)
     if not rope_keys:
-        return Keys(K, block, _index(ps, dev), t["k_perm"], pos, kept)
+        part = torch.bmm(qv.index_select(0, block), K)
+        return Scores(part.new_zeros(S, GL, N).index_add_(0, _index(ps, dev), part), pos, kept)
     dense = torch.empty(S * nb, kb, N, device=dev).index_copy_(0, block, K).view(S, D, N)  # packed channel order
     dense = torch.empty_like(dense).scatter_(1, t["k_perm"].long().unsqueeze(2).expand(S, D, N), dense)
-    every = torch.arange(S, device=dev)
-    return Keys(rope.rotate(dense.transpose(1, 2), pos, t["rope"]).transpose(1, 2), every, every, None, pos, kept)
+    return Scores(torch.bmm(q, rope.rotate(dense.transpose(1, 2), pos, t["rope"]).transpose(1, 2)), pos, kept)
 
 
 def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
@@ -238,6 +251,18 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     return torch.index_select(flat, 0, _index(index, dev), out=values.view(S * N, D)).view(S, N, D)
 
 
+def add_values(out: torch.Tensor, p: torch.Tensor, seg: TriZoneLayer, counts: np.ndarray) -> None:
+    """``out`` [S, GL, D] (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] times the values of one packed
+    segment: in C (:func:`rdkv.kernels.cpu_dequant.attend`, the values never written out), else
+    :func:`read_values` and one product."""
+    if seg.device.type == "cpu" and cpu_dequant.library():
+        t = seg.t
+        cpu_dequant.attend(out, p, {w: (t["v16"], None, None) if w == 16 else (t[f"v{w}.codes"], t[f"v{w}.scale"],
+                           t[f"v{w}.zero"]) for w in V_CLASSES}, {w: seg.spec.v_group_of(w) for w in quant.PACKED}, counts)
+    else:
+        out.baddbmm_(p, read_values(seg, counts, p.shape[-1]))
+
+
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract and result as :func:`rdkv.reference.trizone_attention` (to float32 rounding)."""
@@ -247,22 +272,15 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     scores, packed = [], []  # [S, GL, N] and ok [., GL, N] per part; the segments with tokens
     for seg in layer.segments():
         counts = seg.t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4] tokens per stream and V class
-        k = read_keys(seg, counts, positions=window is not None or m is not None)
+        k = key_scores(seg, counts, q, positions=window is not None or m is not None)
         if not k.kept.shape[1]:
             continue
-        qv = q
-        if k.k_perm is not None:  # the query in each stream's packed channel order, cut into channel blocks
-            kb = seg.spec.k_block
-            qv = q.gather(2, k.k_perm.long().unsqueeze(1).expand(S, GL, D)).view(S, GL, D // kb, kb)
-            qv = qv.transpose(1, 2).reshape(-1, GL, kb)
-        part = torch.bmm(qv.index_select(0, k.query_block), k.keys)
-        s = part.new_zeros(S, GL, k.kept.shape[1]).index_add_(0, k.stream, part)
         ok = k.kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
         if window is not None:
             ok = ok & (q_pos[:, None] - k.positions.unsqueeze(1) < window)
         if m is not None:
             ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
-        scores.append((s, ok))
+        scores.append((k.scores, ok))
         packed.append((seg, counts))
     c_pos = torch.arange(layer.c_start, seq, device=dev)
     if len(c_pos):
@@ -279,10 +297,10 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     ok = torch.cat([o.expand(S, GL, o.shape[-1]) for _, o in scores], -1)
     s = s.masked_fill_(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num_(0.0)  # a query that sees nothing: zero output
-    out, a = torch.zeros(S, GL, 2, D // 2, device=dev), 0  # packed values' channel order (read_values)
+    out, a = torch.zeros(S, GL, 2, D // 2, device=dev), 0  # packed values' channel order (add_values)
     for (seg, counts), (x, _) in zip(packed, scores):
         N = x.shape[-1]
-        out.view(S, GL, D).baddbmm_(p[..., a : a + N], read_values(seg, counts, N))
+        add_values(out.view(S, GL, D), p[..., a : a + N], seg, counts)
         a += N
     out = out.transpose(2, 3).reshape(S, GL, D)
     if len(c_pos):

@@ -167,10 +167,12 @@ def test_real_models_generate_the_same_tokens(monkeypatch, name):
 def test_layers_of_a_pass_share_scratch_buffers_freed_after_the_last(monkeypatch):
     """The scratch a layer dequantizes into is still held when the next layer runs (no fresh pages per layer), and
     freed once the model's last layer has run; the shared buffers do not leak one layer's data into another's
-    (test_end_to_end_tiny_models: the logits equal the oracle's)."""
+    (test_end_to_end_tiny_models: the logits equal the oracle's). The torch dequantization: the C one takes no
+    scratch (a tile per thread, freed within the call)."""
     from conftest import tiny_llama
 
     monkeypatch.setenv("RDKV_BACKEND", "torch")
+    monkeypatch.setattr(cpu_dequant, "library", lambda: None)
     model = tiny_llama(0)
     ids = torch.randint(0, 96, (1, 200), generator=torch.Generator().manual_seed(3))
     with rdkv.record(model) as rec:
@@ -187,9 +189,12 @@ def test_layers_of_a_pass_share_scratch_buffers_freed_after_the_last(monkeypatch
     assert cpu_decode.scratch_bytes() == 0
 
 
-def test_scratch_made_in_inference_mode_is_replaced_outside_it():
-    """A pass cut short keeps its scratch; the next, with gradients on, must not write into inference tensors."""
+def test_scratch_made_in_inference_mode_is_replaced_outside_it(monkeypatch):
+    """A pass cut short keeps its scratch; the next, with gradients on, must not write into inference tensors.
+    The torch dequantization: the C one takes no scratch."""
     from rdkv.decode import trizone_decode
+
+    monkeypatch.setattr(cpu_dequant, "library", lambda: None)
 
     layer = build(seed=13, B=1, H=2, T=120, D=64, n_c=2)
     q = query(layer, 2, 1, torch.float32)

@@ -45,22 +45,31 @@ def test_launchers_reject_what_does_not_fit():
     stored[16] = (layer.t["v16"], None, None)
     groups = {w: layer.spec.v_group_of(w) for w in (2, 4, 8)}
     N = int(counts.sum(1).max())
-    cpu_dequant.values(torch.empty(2, N, 64), stored, groups, counts)
-    with pytest.raises(RDKVError, match="N=.* is below a stream's count"):
-        cpu_dequant.values(torch.empty(2, N - 1, 64), stored, groups, counts)
+    out, p = torch.zeros(2, 3, 64), torch.rand(2, 3, N)
+    cpu_dequant.attend(out, p, stored, groups, counts)
+    with pytest.raises(RDKVError, match="attend: p must be float32"):
+        cpu_dequant.attend(out, p[..., :-1], stored, groups, counts)
+    with pytest.raises(RDKVError, match="attend: p must be float32"):
+        cpu_dequant.attend(out, p.transpose(0, 1).contiguous().transpose(0, 1), stored, groups, counts)
     with pytest.raises(RDKVError, match="counts: expected a contiguous int64 array"):
-        cpu_dequant.values(torch.empty(2, N, 64), stored, groups, counts.astype(np.int32))
+        cpu_dequant.attend(out, p, stored, groups, counts.astype(np.int32))
     with pytest.raises(RDKVError, match="out: expected a contiguous CPU tensor"):
-        cpu_dequant.values(torch.empty(2, N, 64, dtype=torch.float16), stored, groups, counts)
+        cpu_dequant.attend(out.half(), p, stored, groups, counts)
     bad = {**stored, 4: (stored[4][0][:-1], stored[4][1], stored[4][2])}
     with pytest.raises(RDKVError, match="class 4 codes"):
-        cpu_dequant.values(torch.empty(2, N, 64), bad, groups, counts)
+        cpu_dequant.attend(out, p, bad, groups, counts)
     codes, scale, zero = (layer.t[f"k4.{x}"] for x in ("codes", "scale", "zero"))
+    kb, kg = layer.spec.k_block, layer.spec.k_group
     one = np.array([0]), np.array([min(len(codes), 10)]), np.array([0])
-    cpu_dequant.keys(torch.empty(1, layer.spec.k_block, 16), codes, scale, zero, 4, layer.spec.k_group, *one)
+    cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *one)
+    cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *one, np.array([1]), torch.rand(1, 3, kb))
+    past = np.array([len(codes) - 1]), np.array([2]), np.array([0])
     with pytest.raises(RDKVError, match="run past the stored tensors"):
-        cpu_dequant.keys(torch.empty(1, layer.spec.k_block, 16), codes, scale, zero, 4, layer.spec.k_group,
-                         np.array([len(codes) - 1]), np.array([2]), np.array([0]))
+        cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *past)
+    with pytest.raises(RDKVError, match="run past the stored tensors"):
+        cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *past, np.array([1]), torch.rand(1, 3, kb))
+    with pytest.raises(RDKVError, match="run past the stored tensors, N or S"):
+        cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *one, np.array([2]), torch.rand(1, 3, kb))
 
 
 @needs_cc
