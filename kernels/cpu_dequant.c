@@ -115,31 +115,54 @@ void rdkv_keys(const void *codes, const half *scale, const half *zero, int bits,
         }
 }
 
-/* scores [S, GL, N] += for each (channel block, stream) pair p of one width: its query block qb [pairs, GL, kb]
- * dotted with its keys (as rdkv_keys reads them; width 0: the channel means, row row0[p] of ``codes``) at its
- * tokens t < n[p], into the rows of stream stream[p]; later tokens are left as they are. The keys are never
- * written out: each tile of kg tokens is dequantized into a buffer the cache's L1 holds, then multiplied. */
-int rdkv_scores(const void *codes, const half *scale, const half *zero, int bits, int bf16, int64_t kb, int64_t kg,
-                const int64_t *row0, const int64_t *n, const int64_t *group0, const int64_t *stream, int64_t pairs,
-                const float *qb, int64_t GL, int64_t N, float *scores, int threads) {
-    const int64_t groups = (N + kg - 1) / kg, rb = bits == 16 ? 2 * kb : kb * bits / 8;
+#define BLOCK 32 /* tokens (or channels) a product keeps in registers */
+
+/* row[t] += sum_c w[c] * k[c * ld + t] for t < len: a block of BLOCK tokens accumulates over every channel in
+ * registers before it is stored. */
+static void dot_rows(float *restrict row, const float *restrict w, const float *restrict k, int64_t kb, int64_t ld,
+                     int64_t len) {
+    int64_t t = 0;
+    for (; t + BLOCK <= len; t += BLOCK) {
+        float acc[BLOCK];
+        for (int j = 0; j < BLOCK; j++) acc[j] = row[t + j];
+        for (int64_t c = 0; c < kb; c++)
+            for (int j = 0; j < BLOCK; j++) acc[j] += w[c] * k[c * ld + t + j];
+        for (int j = 0; j < BLOCK; j++) row[t + j] = acc[j];
+    }
+    for (int64_t c = 0; c < kb; c++)
+        for (int64_t u = t; u < len; u++) row[u] += w[c] * k[c * ld + u];
+}
+
+/* scores [S, GL, N] += for each (channel block, stream) pair p, in storage order: its query block qb [pairs, GL, kb]
+ * dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]; later tokens are left as they
+ * are. Pair p has width WIDTHS[width[p]] and reads the tensors of that width: its n[p] rows from row row0[p] of
+ * codes[.] (one row of channel means at width 0), scale and zero per ``kg`` tokens from group group0[p] on. The
+ * keys are never written out: a tile of kg tokens is dequantized into a buffer the L1 cache holds, then
+ * multiplied. */
+int rdkv_scores(const void *const codes[5], const half *const scale[5], const half *const zero[5], int bf16,
+                int64_t kb, int64_t kg, const int64_t *width, const int64_t *row0, const int64_t *n,
+                const int64_t *group0, const int64_t *stream, int64_t pairs, const float *qb, int64_t GL, int64_t N,
+                float *scores, int threads) {
+    static const int bits_of[5] = {0, 2, 4, 8, 16};
+    const int64_t groups = (N + kg - 1) / kg;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = bits ? malloc((size_t)(kb * kg) * sizeof(float)) : 0;
-        if (bits && !tile) {
+        float *tile = malloc((size_t)(kb * kg) * sizeof(float));
+        if (!tile) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static) /* a token group per item: the pairs of a stream add into disjoint tokens */
         for (int64_t q = 0; q < groups; q++)
-            for (int64_t p = 0; p < pairs; p++) {
+            for (int64_t p = 0; p < pairs && tile; p++) {
                 const int64_t t0 = q * kg, live = n[p] < t0 + kg ? n[p] : t0 + kg;
                 if (live <= t0) continue;
+                const int bits = bits_of[width[p]];
                 const float *qp = qb + p * GL * kb;
                 float *sc = scores + stream[p] * GL * N + t0;
                 if (!bits) {
-                    const half *mean = (const half *)codes + row0[p] * kb;
+                    const half *mean = (const half *)codes[0] + row0[p] * kb;
                     for (int64_t l = 0; l < GL; l++) {
                         float w = 0.0f;
                         for (int64_t c = 0; c < kb; c++) w += qp[l * kb + c] * (float)mean[c];
@@ -147,15 +170,10 @@ int rdkv_scores(const void *codes, const half *scale, const half *zero, int bits
                     }
                     continue;
                 }
-                if (!tile) continue; /* out of memory: reported */
-                const int64_t at = bits == 16 ? 0 : (group0[p] + q) * kb;
-                k_tile((const uint8_t *)codes + row0[p] * rb, bits, bf16, kb, rb, scale + at, zero + at, t0, live, tile, kg);
-                for (int64_t l = 0; l < GL; l++)
-                    for (int64_t c = 0; c < kb; c++) {
-                        const float w = qp[l * kb + c], *restrict k = tile + c * kg;
-                        float *restrict row = sc + l * N;
-                        for (int64_t t = 0; t < live - t0; t++) row[t] += w * k[t];
-                    }
+                const int64_t rb = bits == 16 ? 2 * kb : kb * bits / 8, at = bits == 16 ? 0 : (group0[p] + q) * kb;
+                k_tile((const uint8_t *)codes[width[p]] + row0[p] * rb, bits, bf16, kb, rb,
+                       bits == 16 ? 0 : scale[width[p]] + at, bits == 16 ? 0 : zero[width[p]] + at, t0, live, tile, kg);
+                for (int64_t l = 0; l < GL; l++) dot_rows(sc + l * N, qp + l * kb, tile, kb, kg, live - t0);
             }
         free(tile);
     }
@@ -195,14 +213,21 @@ int rdkv_attend(const void *const codes[4], const half *const scale[4], const ha
                     const int64_t G = bits[c] == 16 ? 0 : D / group[c];
                     v_rows((const uint8_t *)codes[c] + before * D * bits[c] / 8, bits[c] == 16 ? 0 : scale[c] + before * G,
                            bits[c] == 16 ? 0 : zero[c] + before * G, bits[c], bf16, r1 - r0, D, group[c], tile);
-                    for (int64_t l = 0; l < GL; l++) {
-                        const float *pl = p + (s * GL + l) * ldp + at;
-                        float *restrict a = acc + (s * GL + l) * D;
-                        for (int64_t r = 0; r < r1 - r0; r++) {
-                            const float w = pl[r], *restrict v = tile + r * D;
-                            for (int64_t d = 0; d < D; d++) a[d] += w * v[d];
+                    for (int64_t l = 0; l < GL; l++) /* BLOCK channels at a time accumulate over the tile's rows */
+                        for (int64_t d = 0; d < D; d += BLOCK) {
+                            const float *pl = p + (s * GL + l) * ldp + at;
+                            float *restrict a = acc + (s * GL + l) * D + d;
+                            if (d + BLOCK > D) {
+                                for (int64_t r = 0; r < r1 - r0; r++)
+                                    for (int64_t j = 0; j < D - d; j++) a[j] += pl[r] * tile[r * D + d + j];
+                                continue;
+                            }
+                            float sum[BLOCK];
+                            for (int j = 0; j < BLOCK; j++) sum[j] = a[j];
+                            for (int64_t r = 0; r < r1 - r0; r++)
+                                for (int j = 0; j < BLOCK; j++) sum[j] += pl[r] * tile[r * D + d + j];
+                            for (int j = 0; j < BLOCK; j++) a[j] = sum[j];
                         }
-                    }
                 }
         if (acc) {
 #pragma omp critical

@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("cpu_dequant.c")
 FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
          ["-O3", "-fopenmp"], ["-O3"])
 V_CLASSES = (2, 4, 8, 16)
+K_WIDTHS = (0, 2, 4, 8, 16)
 
 
 def _cpu() -> str:
@@ -66,7 +67,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(so))
         P, I64 = ctypes.c_void_p, ctypes.c_int64
         lib.rdkv_keys.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, I64, I64, P, ctypes.c_int]
-        lib.rdkv_scores.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, P, I64, P, I64, I64, P,
+        lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
                                     ctypes.c_int]
         lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
         return lib
@@ -159,32 +160,48 @@ def keys(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zer
                         torch.get_num_threads())
 
 
-def scores(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
-           k_group: int, row0: np.ndarray, n: np.ndarray, group0: np.ndarray, stream: np.ndarray,
+def scores(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+           k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray, group0: np.ndarray, stream: np.ndarray,
            query: torch.Tensor) -> None:
-    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p of one width: ``query`` [pairs, GL, kb]
-    float32 (its query block) dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]; the
-    keys as :func:`keys` reads them, or at width 0 the channel means ``codes`` [., kb] fp16, row row0[p]. The keys
+    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p: ``query`` [pairs, GL, kb] float32 (its
+    query block) dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]. Pair p has width
+    width[p] and reads ``stored[width[p]]``: (codes [rows, kb * w / 8] uint8, scale, zero [groups, kb] fp16) its
+    n[p] rows from row0[p] on, scale and zero per ``k_group`` tokens from group group0[p] on; at 16 bits (rows
+    [rows, kb] fp16/bf16, None, None); at width 0 (channel means [., kb] fp16, None, None), row row0[p]. The keys
     are never written out."""
     S, GL, N = out.shape
     pairs, kb = query.shape[0], query.shape[2]
     _check("out", out, torch.float32, (S, GL, N))
     _check("query", query, torch.float32, (pairs, GL, kb))
-    for name, x in (("row0", row0), ("n", n), ("group0", group0), ("stream", stream)):
+    for name, x in (("width", width), ("row0", row0), ("n", n), ("group0", group0), ("stream", stream)):
         _int64(name, x, (pairs,))
-    rows, groups = codes.shape[0], 0
-    if bits in (0, 16):
-        _check("16-bit rows", codes, (torch.float16,) if bits == 0 else (torch.float16, torch.bfloat16), (rows, kb))
-    else:
-        _check("codes", codes, torch.uint8, (rows, kb * bits // 8))
-        groups = scale.shape[0]
-        _check("scale", scale, torch.float16, (groups, kb))
-        _check("zero", zero, torch.float16, (groups, kb))
-    if pairs and (int(n.max()) > N or int(stream.min()) < 0 or int(stream.max()) >= S
-                  or int((row0 + (1 if bits == 0 else n)).max()) > rows
-                  or bits not in (0, 16) and int((group0 + (n + k_group - 1) // k_group).max()) > groups):
-        raise RDKVError("scores: a pair's rows, scale groups or stream run past the stored tensors, N or S")
-    if library().rdkv_scores(codes.data_ptr(), _ptr(scale), _ptr(zero), bits, int(codes.dtype == torch.bfloat16), kb,
-                             k_group, row0.ctypes.data, n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs,
-                             query.data_ptr(), GL, N, out.data_ptr(), torch.get_num_threads()):
+    index = np.searchsorted(K_WIDTHS, width)  # the C side finds a pair's tensors by the width's position
+    if pairs and not np.array_equal(np.take(K_WIDTHS, index, mode="clip"), width):
+        raise RDKVError(f"scores: widths must be in {K_WIDTHS}, got {sorted(set(width.tolist()))}")
+    codes, scale, zero, bf16 = [None] * 5, [None] * 5, [None] * 5, 0
+    rows, groups = np.zeros(5, np.int64), np.zeros(5, np.int64)  # stored per width
+    for i in set(index.tolist()):
+        w = K_WIDTHS[i]
+        x, s, z = stored[w]
+        rows[i] = x.shape[0]
+        if w in (0, 16):
+            _check(f"width {w} rows", x, (torch.float16,) if w == 0 else (torch.float16, torch.bfloat16), (rows[i], kb))
+            bf16 = int(x.dtype == torch.bfloat16)
+        else:
+            groups[i] = s.shape[0]
+            _check(f"width {w} codes", x, torch.uint8, (rows[i], kb * w // 8))
+            _check(f"width {w} scale", s, torch.float16, (groups[i], kb))
+            _check(f"width {w} zero", z, torch.float16, (groups[i], kb))
+            scale[i], zero[i] = _ptr(s), _ptr(z)
+        codes[i] = _ptr(x)
+    packed = (index > 0) & (index < 4)
+    if pairs and ((row0 + np.where(index == 0, 1, n) > rows[index]).any() or int(n.max()) > N
+                  or (packed & (group0 + -(-n // k_group) > groups[index])).any()
+                  or int(stream.min()) < 0 or int(stream.max()) >= S):
+        raise RDKVError(f"scores: a pair runs past its width's stored rows or scale groups, its count exceeds N={N} "
+                        f"or its stream is outside 0..{S - 1}")
+    P = ctypes.c_void_p * 5
+    if library().rdkv_scores(P(*codes), P(*scale), P(*zero), bf16, kb, k_group, index.ctypes.data, row0.ctypes.data,
+                             n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs, query.data_ptr(), GL, N,
+                             out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("rdkv_scores: out of memory for its per-thread buffers")

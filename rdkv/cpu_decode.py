@@ -150,16 +150,11 @@ def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions
         qv = qv.transpose(1, 2).reshape(S * nb, GL, kb)
     native = cpu_dequant.library() if dev.type == "cpu" else None
     if native and not rope_keys:
-        s, a = torch.zeros(S, GL, N, device=dev), 0
-        for w in quant.WIDTHS:
-            pairs = int((pw == w).sum())
-            if pairs:
-                at = slice(a, a + pairs)
-                stored = t["k0.mean" if w == 0 else "k16" if w == 16 else f"k{w}.codes"]
-                scale, zero = (None, None) if w in (0, 16) else (t[f"k{w}.scale"], t[f"k{w}.zero"])
-                cpu_dequant.scores(s, stored, scale, zero, w, kg, row0[at] - row0[a], n[ps[at]], group0[at] - group0[a],
-                                   ps[at], qv.index_select(0, _index(block[at], dev)))
-            a += pairs
+        s, first = torch.zeros(S, GL, N, device=dev), np.searchsorted(pw, pw)  # first pair of each pair's width
+        stored = {w: (t["k0.mean" if w == 0 else "k16"], None, None) if w in (0, 16) else
+                  (t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"]) for w in set(pw.tolist())}
+        cpu_dequant.scores(s, stored, kg, pw, row0 - row0[first], n[ps], group0 - group0[first], ps,
+                           qv.index_select(0, _index(block, dev)))
         return Scores(s, pos, kept)
 
     K = scratch("dequantized", (nb * S, kb, N), torch.float32, dev)  # pair p's channel block, tokens 0..N-1 of its stream

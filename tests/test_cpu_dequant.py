@@ -61,15 +61,22 @@ def test_launchers_reject_what_does_not_fit():
     codes, scale, zero = (layer.t[f"k4.{x}"] for x in ("codes", "scale", "zero"))
     kb, kg = layer.spec.k_block, layer.spec.k_group
     one = np.array([0]), np.array([min(len(codes), 10)]), np.array([0])
-    cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *one)
-    cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *one, np.array([1]), torch.rand(1, 3, kb))
     past = np.array([len(codes) - 1]), np.array([2]), np.array([0])
+    cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *one)
     with pytest.raises(RDKVError, match="run past the stored tensors"):
         cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *past)
-    with pytest.raises(RDKVError, match="run past the stored tensors"):
-        cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *past, np.array([1]), torch.rand(1, 3, kb))
-    with pytest.raises(RDKVError, match="run past the stored tensors, N or S"):
-        cpu_dequant.scores(torch.zeros(2, 3, 16), codes, scale, zero, 4, kg, *one, np.array([2]), torch.rand(1, 3, kb))
+
+    def scores(width, row0, n, group0, stream):
+        cpu_dequant.scores(torch.zeros(2, 3, 16), {4: (codes, scale, zero)}, kg, np.array([width]), row0, n, group0,
+                           np.array([stream]), torch.rand(1, 3, kb))
+
+    scores(4, *one, 1)
+    with pytest.raises(RDKVError, match="runs past its width's stored rows"):
+        scores(4, *past, 1)
+    with pytest.raises(RDKVError, match="stream is outside 0..1"):
+        scores(4, *one, 2)
+    with pytest.raises(RDKVError, match="widths must be in"):
+        scores(3, *one, 1)
 
 
 @needs_cc
