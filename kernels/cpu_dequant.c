@@ -1,15 +1,23 @@
-/* Dequantization of one packed TriZone segment on a CPU, in the layouts rdkv.cpu_decode multiplies.
+/* The CPU decode's products over one packed TriZone segment: the query's scores against the keys
+ * (rdkv_scores) and the probabilities' sum over the values (rdkv_attend), each reading the codes once, a tile at
+ * a time into a buffer the L1 cache holds, and never writing the dequantized keys or values out; rdkv_keys
+ * writes them, for pre-RoPE keys, which are rotated in torch. Where torch takes a handful of ops per width
+ * (shift, mask, convert, scale, offset, gather, product), each paying its fixed cost and a pass over the floats.
+ * Built and loaded by kernels/cpu_dequant.py; rdkv/cpu_decode.py holds the same computation in torch, used where
+ * no C compiler is found, and the tests hold the two equal.
  *
- * One pass per stored tensor, reading the codes once and writing each float once: where torch takes a
- * handful of ops per width (shift, mask, convert, scale, offset, gather), each paying its fixed cost and a
- * pass over the floats. Built and loaded by kernels/cpu_dequant.py; rdkv/cpu_decode.py holds the same
- * computation in torch, used where no C compiler is found, and the tests hold the two equal.
- *
- * Codes: code i of byte j is channel j * (8 / bits) + i (quant.pack). Scales and zeros are fp16.
+ * Codes: code i of byte j is channel j * (8 / bits) + i (quant.pack), so channel c of a row is bits
+ * [bits * c, bits * (c + 1)) of it. Scales and zeros are fp16. Work is split statically over the thread count
+ * the caller passes (torch's), so a result depends on that count only.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 typedef _Float16 half;
 
@@ -194,19 +202,23 @@ int rdkv_attend(const void *const codes[4], const half *const scale[4], const ha
         const int64_t m = (counts[i] + TILE - 1) / TILE;
         chunks = m > chunks ? m : chunks;
     }
+    const int64_t size = S * GL * D;
+    /* one partial sum per thread, added in thread order after the loop: the same floats every run */
+    float *partial = calloc((size_t)(threads * size), sizeof(float));
+    if (!partial) return 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = malloc((size_t)(TILE * D) * sizeof(float)), *acc = calloc((size_t)(S * GL * D), sizeof(float));
-        if (!tile || !acc) {
+        float *tile = malloc((size_t)(TILE * D) * sizeof(float)), *acc = partial + (int64_t)omp_get_thread_num() * size;
+        if (!tile) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(3) schedule(dynamic, 1)
+#pragma omp for collapse(3) schedule(static)
         for (int64_t s = 0; s < S; s++)
             for (int c = 0; c < 4; c++)
                 for (int64_t q = 0; q < chunks; q++) {
                     const int64_t rows = counts[s * 4 + c], r0 = q * TILE, r1 = r0 + TILE < rows ? r0 + TILE : rows;
-                    if (r0 >= r1 || !tile || !acc) continue;
+                    if (r0 >= r1 || !tile) continue;
                     int64_t before = r0, at = r0; /* stored row in the class tensor, token in the stream */
                     for (int64_t u = 0; u < s; u++) before += counts[u * 4 + c];
                     for (int u = 0; u < c; u++) at += counts[s * 4 + u];
@@ -229,12 +241,10 @@ int rdkv_attend(const void *const codes[4], const half *const scale[4], const ha
                             for (int j = 0; j < BLOCK; j++) a[j] = sum[j];
                         }
                 }
-        if (acc) {
-#pragma omp critical
-            for (int64_t i = 0; i < S * GL * D; i++) out[i] += acc[i];
-        }
         free(tile);
-        free(acc);
     }
+    for (int64_t t = 0; t < threads; t++)
+        for (int64_t i = 0; i < size; i++) out[i] += partial[t * size + i];
+    free(partial);
     return failed; /* out of memory: part of the sum is missing */
 }

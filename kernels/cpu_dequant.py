@@ -1,12 +1,14 @@
-"""Dequantization of a packed TriZone segment on a CPU in one pass per stored tensor (``cpu_dequant.c``).
+"""The CPU decode's products over a packed TriZone segment, in C (``cpu_dequant.c``): the query's scores against
+the keys and the probabilities' sum over the values, each read from the codes a tile at a time.
 
 A decode step through a small model's compressed cache is, in torch, a few hundred ops per layer, each
 paying microseconds of fixed cost and most a pass over megabytes of floats (shift, mask, convert, scale,
-offset, gather); the C functions read the codes once and write each float once. They are built on first
-use with the system C compiler (``$CC``, else ``cc``) into the user's cache directory, keyed by the
-source, the flags and the CPU, then loaded with ctypes: well under a second once per machine, nothing to
-install. Where no compiler works, :func:`library` returns None and :mod:`rdkv.cpu_decode` runs the same
-computation in torch (its reference here; the tests hold the two equal).
+offset, gather, product); the C functions read each code once and never write the dequantized keys or values
+out (:func:`keys` does, for pre-RoPE keys, which are rotated in torch). They are built on first use with the
+system C compiler (``$CC``, else ``cc``) into the user's cache directory, keyed by the source, the flags and
+the CPU, then loaded with ctypes: about a second once per machine, nothing to install. Where no compiler
+works, :func:`library` returns None and :mod:`rdkv.cpu_decode` runs the same computation in torch (the
+reference for these functions; the tests hold the two equal).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import warnings
@@ -27,7 +30,7 @@ from rdkv.errors import RDKVError
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
 # The first that builds. 256-bit vectors: a value row's loops run 16 to 32 times, which 512-bit vectors of bytes
-# (64 lanes) would leave wholly to the scalar remainder (2.2x slower on an EPYC Zen 4).
+# (64 lanes) would leave wholly to the scalar remainder.
 FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
          ["-O3", "-fopenmp"], ["-O3"])
 V_CLASSES = (2, 4, 8, 16)
@@ -48,7 +51,7 @@ def library() -> ctypes.CDLL | None:
     """The built library, or None (with a warning once) where no compiler builds it."""
     src = SOURCE.read_bytes()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rdkv"
-    cc = os.environ.get("CC", "cc")
+    cc = shlex.split(os.environ.get("CC") or "cc")
     errors = []
     for flags in FLAGS:
         key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu())).encode()).hexdigest()[:16]
@@ -58,13 +61,17 @@ def library() -> ctypes.CDLL | None:
                 cache.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: no half-written file
                     out = Path(tmp) / so.name
-                    subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)], check=True,
+                    subprocess.run([*cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)], check=True,
                                    capture_output=True, text=True, timeout=120)
                     out.replace(so)
             except (OSError, subprocess.SubprocessError) as e:
-                errors.append(f"{cc} {' '.join(flags)}: {getattr(e, 'stderr', '') or e}")
+                errors.append(f"{' '.join(cc + flags)}: {getattr(e, 'stderr', '') or e}")
                 continue
-        lib = ctypes.CDLL(str(so))
+        try:
+            lib = ctypes.CDLL(str(so))
+        except OSError as e:  # e.g. a cache directory mounted noexec
+            errors.append(f"loading {so}: {e}")
+            continue
         P, I64 = ctypes.c_void_p, ctypes.c_int64
         lib.rdkv_keys.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, I64, I64, P, ctypes.c_int]
         lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,

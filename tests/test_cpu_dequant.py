@@ -80,9 +80,9 @@ def test_launchers_reject_what_does_not_fit():
 
 
 @needs_cc
-def test_the_floats_do_not_depend_on_the_thread_count():
-    """The C functions split their work over torch's thread count (what rdkv.contention sets for a pass); every
-    float is written by one thread, so one thread and several give the same result."""
+def test_thread_counts_agree_and_one_count_repeats_its_floats():
+    """The C functions split their work over torch's thread count (what rdkv.contention sets for a pass): one thread
+    and several agree to float32 rounding, and two runs on the same count give the same floats."""
     layer = build(seed=2, B=2, H=2, T=700, D=128, n_c=0)
     q = torch.randn(2, 8, 1, 128, generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
@@ -91,6 +91,19 @@ def test_the_floats_do_not_depend_on_the_thread_count():
         one = cpu_decode.trizone_attention(q, layer, 128 ** -0.5)
         torch.set_num_threads(max(2, os.cpu_count() or 1))
         many = cpu_decode.trizone_attention(q, layer, 128 ** -0.5)
+        again = cpu_decode.trizone_attention(q, layer, 128 ** -0.5)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(one, many, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(one, many, atol=1e-6, rtol=1e-5)  # partial sums over tokens add up in another order
+    assert torch.equal(many, again)  # work split statically, partial sums added in thread order
+
+
+@needs_cc
+def test_the_cpu_path_scores_and_attends_in_c_where_it_builds(monkeypatch):
+    calls = []
+    for name in ("scores", "attend", "keys"):
+        fn = getattr(cpu_dequant, name)
+        monkeypatch.setattr(cpu_dequant, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    layer = build(seed=3, B=1, H=2, T=300, D=64, n_c=2)
+    cpu_decode.trizone_attention(torch.randn(1, 4, 1, 64), layer, 0.125)
+    assert calls == ["scores", "attend"]
