@@ -1,4 +1,4 @@
-"""TriZone decode in plain torch, built for speed on a CPU; :mod:`rdkv.reference` stays the oracle.
+"""TriZone decode built for speed on a CPU (numpy bookkeeping, torch, C products); :mod:`rdkv.reference` stays the oracle.
 
 On a small model a decode step is a few hundred torch ops per layer on kilobytes to megabytes, and on a CPU
 each op costs microseconds before it touches any data: at 4k tokens the ops' fixed cost is as large as the
@@ -14,16 +14,17 @@ per stored tensor, whatever the number of streams, tokens or channel blocks:
 * causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
   every segment and of zone C go through one softmax.
 
-Where a C compiler is found, each stored tensor is dequantized by one call into :mod:`rdkv.kernels.cpu_dequant`
-instead (same layouts, one pass over the codes and one write of each float, no gather): the torch ops above are
-the path where none is, and the two are tested equal.
+Where a C compiler is found, the two products over a packed segment run in C instead
+(:mod:`rdkv.kernels.cpu_dequant`): the keys and values are dequantized a tile at a time beside the products and
+never written out, so a segment costs the numpy bookkeeping, a few torch ops and two C calls. The torch ops
+above are the path where no compiler is, and the two are tested equal.
 
 The megabytes a layer dequantizes go into scratch buffers that the layers of one forward pass share
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
 are what ``nbytes`` counts. :func:`key_scores`, :func:`read_values` and :func:`add_values` (and the C functions
-they call) are the only functions here that know the packed layout. The threads a step runs on are the caller's (a model's pass through the cache takes those
-other work leaves free, :mod:`rdkv.contention`).
+they call) are the only functions here that know the packed layout. The threads a step runs on are the
+caller's (a model's pass through the cache takes those other work leaves free, :mod:`rdkv.contention`).
 """
 from __future__ import annotations
 
@@ -217,12 +218,6 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
     S, dev = seg.batch * seg.heads, seg.device
-    values = scratch("dequantized", (S, N, D), torch.float32, dev)
-    if dev.type == "cpu" and cpu_dequant.library():
-        cpu_dequant.values(values, {w: (t["v16"], None, None) if w == 16 else (t[f"v{w}.codes"], t[f"v{w}.scale"],
-                                 t[f"v{w}.zero"]) for w in V_CLASSES}, {w: spec.v_group_of(w) for w in quant.PACKED},
-                           counts)
-        return values
     n, per_class = counts.sum(1), counts.sum(0)
     total = int(n.sum())
     flat = scratch("stored values", (total + 1, D), torch.float32, dev)
@@ -243,7 +238,8 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
     index = np.full((S, N), total)
     index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
-    return torch.index_select(flat, 0, _index(index, dev), out=values.view(S * N, D)).view(S, N, D)
+    out = scratch("dequantized", (S * N, D), torch.float32, dev)
+    return torch.index_select(flat, 0, _index(index, dev), out=out).view(S, N, D)
 
 
 def add_values(out: torch.Tensor, p: torch.Tensor, seg: TriZoneLayer, counts: np.ndarray) -> None:
