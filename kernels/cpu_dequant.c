@@ -7,17 +7,12 @@
  * no C compiler is found, and the tests hold the two equal.
  *
  * Codes: code i of byte j is channel j * (8 / bits) + i (quant.pack), so channel c of a row is bits
- * [bits * c, bits * (c + 1)) of it. Scales and zeros are fp16. Work is split statically over the thread count
- * the caller passes (torch's), so a result depends on that count only.
+ * [bits * c, bits * (c + 1)) of it. Scales and zeros are fp16. Work is split over the thread count the caller
+ * passes (torch's), and every float of a result is summed in an order that does not depend on that count.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else
-static int omp_get_thread_num(void) { return 0; }
-#endif
 
 typedef _Float16 half;
 
@@ -189,6 +184,7 @@ int rdkv_scores(const void *const codes[5], const half *const scale[5], const ha
 }
 
 #define TILE 64 /* value rows dequantized at a time (64 KiB at D = 256) */
+#define CHUNK 1024 /* value rows of one work item, summed into its own partial */
 
 /* out [S, GL, D] (channel 2j + i at column i * D/2 + j) += p [S, GL, .] times the values of a segment, stream s's
  * tokens its class runs in class order as rdkv_values reads them; p[s, l, t] at p + (s * GL + l) * ldp + t. */
@@ -199,52 +195,54 @@ int rdkv_attend(const void *const codes[4], const half *const scale[4], const ha
     int64_t chunks = 0;
     int failed = 0;
     for (int64_t i = 0; i < S * 4; i++) {
-        const int64_t m = (counts[i] + TILE - 1) / TILE;
+        const int64_t m = (counts[i] + CHUNK - 1) / CHUNK;
         chunks = m > chunks ? m : chunks;
     }
-    const int64_t size = S * GL * D;
-    /* one partial sum per thread, added in thread order after the loop: the same floats every run */
-    float *partial = calloc((size_t)(threads * size), sizeof(float));
+    /* one partial sum per work item (stream, class, chunk), whichever thread runs it, added in item order after
+     * the loop: the same floats on any thread count */
+    const int64_t size = GL * D, items = S * 4 * chunks;
+    float *partial = calloc((size_t)(items * size + 1), sizeof(float));
     if (!partial) return 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = malloc((size_t)(TILE * D) * sizeof(float)), *acc = partial + (int64_t)omp_get_thread_num() * size;
+        float *tile = malloc((size_t)(TILE * D) * sizeof(float));
         if (!tile) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(3) schedule(static)
-        for (int64_t s = 0; s < S; s++)
-            for (int c = 0; c < 4; c++)
-                for (int64_t q = 0; q < chunks; q++) {
-                    const int64_t rows = counts[s * 4 + c], r0 = q * TILE, r1 = r0 + TILE < rows ? r0 + TILE : rows;
-                    if (r0 >= r1 || !tile) continue;
-                    int64_t before = r0, at = r0; /* stored row in the class tensor, token in the stream */
-                    for (int64_t u = 0; u < s; u++) before += counts[u * 4 + c];
-                    for (int u = 0; u < c; u++) at += counts[s * 4 + u];
-                    const int64_t G = bits[c] == 16 ? 0 : D / group[c];
-                    v_rows((const uint8_t *)codes[c] + before * D * bits[c] / 8, bits[c] == 16 ? 0 : scale[c] + before * G,
-                           bits[c] == 16 ? 0 : zero[c] + before * G, bits[c], bf16, r1 - r0, D, group[c], tile);
-                    for (int64_t l = 0; l < GL; l++) /* BLOCK channels at a time accumulate over the tile's rows */
-                        for (int64_t d = 0; d < D; d += BLOCK) {
-                            const float *pl = p + (s * GL + l) * ldp + at;
-                            float *restrict a = acc + (s * GL + l) * D + d;
-                            if (d + BLOCK > D) {
-                                for (int64_t r = 0; r < r1 - r0; r++)
-                                    for (int64_t j = 0; j < D - d; j++) a[j] += pl[r] * tile[r * D + d + j];
-                                continue;
-                            }
-                            float sum[BLOCK];
-                            for (int j = 0; j < BLOCK; j++) sum[j] = a[j];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t s = item / (4 * chunks), c = item / chunks % 4, rows = counts[s * 4 + c];
+            const int64_t c0 = item % chunks * CHUNK, c1 = c0 + CHUNK < rows ? c0 + CHUNK : rows;
+            int64_t before = 0, at = 0; /* the run's first row in the class tensor, first token in the stream */
+            for (int64_t u = 0; u < s; u++) before += counts[u * 4 + c];
+            for (int u = 0; u < c; u++) at += counts[s * 4 + u];
+            for (int64_t r0 = c0; r0 < c1 && tile; r0 += TILE) {
+                const int64_t r1 = r0 + TILE < c1 ? r0 + TILE : c1, G = bits[c] == 16 ? 0 : D / group[c];
+                v_rows((const uint8_t *)codes[c] + (before + r0) * D * bits[c] / 8,
+                       bits[c] == 16 ? 0 : scale[c] + (before + r0) * G, bits[c] == 16 ? 0 : zero[c] + (before + r0) * G,
+                       bits[c], bf16, r1 - r0, D, group[c], tile);
+                for (int64_t l = 0; l < GL; l++) /* BLOCK channels at a time accumulate over the tile's rows */
+                    for (int64_t d = 0; d < D; d += BLOCK) {
+                        const float *pl = p + (s * GL + l) * ldp + at + r0;
+                        float *restrict a = partial + item * size + l * D + d;
+                        if (d + BLOCK > D) {
                             for (int64_t r = 0; r < r1 - r0; r++)
-                                for (int j = 0; j < BLOCK; j++) sum[j] += pl[r] * tile[r * D + d + j];
-                            for (int j = 0; j < BLOCK; j++) a[j] = sum[j];
+                                for (int64_t j = 0; j < D - d; j++) a[j] += pl[r] * tile[r * D + d + j];
+                            continue;
                         }
-                }
+                        float sum[BLOCK];
+                        for (int j = 0; j < BLOCK; j++) sum[j] = a[j];
+                        for (int64_t r = 0; r < r1 - r0; r++)
+                            for (int j = 0; j < BLOCK; j++) sum[j] += pl[r] * tile[r * D + d + j];
+                        for (int j = 0; j < BLOCK; j++) a[j] = sum[j];
+                    }
+            }
+        }
         free(tile);
     }
-    for (int64_t t = 0; t < threads; t++)
-        for (int64_t i = 0; i < size; i++) out[i] += partial[t * size + i];
+    for (int64_t item = 0; item < items; item++)
+        for (int64_t i = 0; i < size; i++) out[item / (4 * chunks) * size + i] += partial[item * size + i];
     free(partial);
     return failed; /* out of memory: part of the sum is missing */
 }

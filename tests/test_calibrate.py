@@ -173,8 +173,8 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
     assert c.layer_distortion == pytest.approx(d, rel=1e-9) and c.distortion == pytest.approx(sum(d), rel=1e-9)
 
-    def through(cache) -> torch.Tensor:  # teacher-force the rest of the text
-        return model(ids[:, 72:], past_key_values=cache).logits[0].float()
+    def through(cache) -> torch.Tensor:  # teacher-force the rest of the text, as fit_layer_gains does
+        return model(ids[:, 72:], past_key_values=cache).logits[0].float().log_softmax(-1)
 
     ref = through(copy.deepcopy(full))
     want = torch.tensor([kl(ref, through(swap_in(full, c, [i]))) / d[i] for i in range(3)])

@@ -80,10 +80,11 @@ def test_launchers_reject_what_does_not_fit():
 
 
 @needs_cc
-def test_thread_counts_agree_and_one_count_repeats_its_floats():
-    """The C functions split their work over torch's thread count (what rdkv.contention sets for a pass): one thread
-    and several agree to float32 rounding, and two runs on the same count give the same floats."""
-    layer = build(seed=2, B=2, H=2, T=700, D=128, n_c=0)
+def test_the_result_does_not_depend_on_the_thread_count():
+    """The C functions split their work over torch's thread count (what rdkv.contention sets for a pass, so it
+    changes with the load on the machine), but every float is summed in one order: one thread and several give
+    the same floats, as do two runs."""
+    layer = build(seed=2, B=2, H=2, T=3000, D=128, n_c=0)
     q = torch.randn(2, 8, 1, 128, generator=torch.Generator().manual_seed(0))
     threads = torch.get_num_threads()
     try:
@@ -94,8 +95,7 @@ def test_thread_counts_agree_and_one_count_repeats_its_floats():
         again = cpu_decode.trizone_attention(q, layer, 128 ** -0.5)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(one, many, atol=1e-6, rtol=1e-5)  # partial sums over tokens add up in another order
-    assert torch.equal(many, again)  # work split statically, partial sums added in thread order
+    assert torch.equal(one, many) and torch.equal(many, again)
 
 
 @needs_cc
