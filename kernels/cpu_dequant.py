@@ -27,14 +27,14 @@ import numpy as np
 import torch
 
 from rdkv.errors import RDKVError
+from rdkv.quant import WIDTHS as K_WIDTHS
+from rdkv.trizone import V_CLASSES
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
 # The first that builds. 256-bit vectors: a value row's loops run 16 to 32 times, which 512-bit vectors of bytes
 # (64 lanes) would leave wholly to the scalar remainder.
 FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
          ["-O3", "-fopenmp"], ["-O3"])
-V_CLASSES = (2, 4, 8, 16)
-K_WIDTHS = (0, 2, 4, 8, 16)
 
 
 def _cpu() -> str:

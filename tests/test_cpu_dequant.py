@@ -1,6 +1,6 @@
-"""The C dequantization of the CPU decode path (kernels/cpu_dequant.c): how it is built, and its launchers'
-checks. That it computes what the torch path and the oracle compute is tested in test_cpu_decode.py, which
-runs its grid both ways."""
+"""The C products of the CPU decode path (kernels/cpu_dequant.c): how the library is built, its launchers'
+checks, that its results do not depend on the thread count and that the path calls it. That it computes what
+the torch path and the oracle compute is tested in test_cpu_decode.py, which runs its grid both ways."""
 import os
 
 import numpy as np
@@ -22,6 +22,7 @@ def test_built_once_into_the_cache_directory_then_reused(monkeypatch, tmp_path):
     built = list((tmp_path / "rdkv").glob("cpu_dequant-*.so"))
     assert len(built) == 1 and not list((tmp_path / "rdkv").glob("tmp*"))  # no build directory left behind
     stamp = built[0].stat().st_mtime_ns
+
     def compile_again(*args, **kwargs):
         raise AssertionError("a second load compiled again")
 
