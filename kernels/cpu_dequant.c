@@ -97,21 +97,30 @@ static void k_tile(const uint8_t *restrict x, int bits, int bf16, int64_t kb, in
     }
 }
 
-/* The keys of the (channel block, stream) pairs of one width (2, 4, 8 or 16 bits), out [pairs, kb, N]
- * channel-major: pair p's n[p] rows from stored row row0[p] on, scale and zero [., kb] per ``kg`` tokens from
- * group group0[p] on; zero past n[p]; ``bf16``: 16-bit rows are bf16. */
-void rdkv_keys(const void *codes, const half *scale, const half *zero, int bits, int bf16, int64_t kb, int64_t kg,
-               const int64_t *row0, const int64_t *n, const int64_t *group0, int64_t pairs, int64_t N, float *out,
-               int threads) {
-    const int64_t groups = (N + kg - 1) / kg, rb = bits == 16 ? 2 * kb : kb * bits / 8;
+static const int BITS_OF[5] = {0, 2, 4, 8, 16}; /* a pair's width, by the position rdkv_keys/scores are given */
+
+/* The keys of every (channel block, stream) pair of a segment, out [pairs, kb, N] channel-major, in storage
+ * order. Pair p has width BITS_OF[width[p]] and reads the tensors of that width: its n[p] rows from row row0[p]
+ * of codes[.] (one row of channel means at width 0), scale and zero [., kb] per ``kg`` tokens from group
+ * group0[p] on; zero past n[p]; ``bf16``: 16-bit rows are bf16. */
+void rdkv_keys(const void *const codes[5], const half *const scale[5], const half *const zero[5], int bf16,
+               int64_t kb, int64_t kg, const int64_t *width, const int64_t *row0, const int64_t *n,
+               const int64_t *group0, int64_t pairs, int64_t N, float *out, int threads) {
+    const int64_t groups = (N + kg - 1) / kg;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t p = 0; p < pairs; p++)
         for (int64_t q = 0; q < groups; q++) {
             const int64_t t0 = q * kg, t1 = t0 + kg < N ? t0 + kg : N, live = n[p] < t1 ? n[p] : t1;
+            const int bits = BITS_OF[width[p]];
             float *o = out + p * kb * N + t0;
-            if (live > t0) {
-                const int64_t at = bits == 16 ? 0 : (group0[p] + q) * kb;
-                k_tile((const uint8_t *)codes + row0[p] * rb, bits, bf16, kb, rb, scale + at, zero + at, t0, live, o, N);
+            if (live > t0 && !bits) {
+                const half *mean = (const half *)codes[0] + row0[p] * kb;
+                for (int64_t c = 0; c < kb; c++)
+                    for (int64_t t = t0; t < live; t++) o[c * N + t - t0] = (float)mean[c];
+            } else if (live > t0) {
+                const int64_t rb = bits == 16 ? 2 * kb : kb * bits / 8, at = bits == 16 ? 0 : (group0[p] + q) * kb;
+                k_tile((const uint8_t *)codes[width[p]] + row0[p] * rb, bits, bf16, kb, rb,
+                       bits == 16 ? 0 : scale[width[p]] + at, bits == 16 ? 0 : zero[width[p]] + at, t0, live, o, N);
             }
             for (int64_t c = 0; c < kb; c++)
                 for (int64_t t = live > t0 ? live : t0; t < t1; t++) o[c * N + t - t0] = 0.0f;
@@ -138,15 +147,12 @@ static void dot_rows(float *restrict row, const float *restrict w, const float *
 
 /* scores [S, GL, N] += for each (channel block, stream) pair p, in storage order: its query block qb [pairs, GL, kb]
  * dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]; later tokens are left as they
- * are. Pair p has width WIDTHS[width[p]] and reads the tensors of that width: its n[p] rows from row row0[p] of
- * codes[.] (one row of channel means at width 0), scale and zero per ``kg`` tokens from group group0[p] on. The
- * keys are never written out: a tile of kg tokens is dequantized into a buffer the L1 cache holds, then
- * multiplied. */
+ * are. Pair p reads its keys as rdkv_keys does, but they are never written out: a tile of kg tokens is
+ * dequantized into a buffer the L1 cache holds, then multiplied. */
 int rdkv_scores(const void *const codes[5], const half *const scale[5], const half *const zero[5], int bf16,
                 int64_t kb, int64_t kg, const int64_t *width, const int64_t *row0, const int64_t *n,
                 const int64_t *group0, const int64_t *stream, int64_t pairs, const float *qb, int64_t GL, int64_t N,
                 float *scores, int threads) {
-    static const int bits_of[5] = {0, 2, 4, 8, 16};
     const int64_t groups = (N + kg - 1) / kg;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -161,7 +167,7 @@ int rdkv_scores(const void *const codes[5], const half *const scale[5], const ha
             for (int64_t p = 0; p < pairs && tile; p++) {
                 const int64_t t0 = q * kg, live = n[p] < t0 + kg ? n[p] : t0 + kg;
                 if (live <= t0) continue;
-                const int bits = bits_of[width[p]];
+                const int bits = BITS_OF[width[p]];
                 const float *qp = qb + p * GL * kb;
                 float *sc = scores + stream[p] * GL * N + t0;
                 if (!bits) {

@@ -36,6 +36,8 @@ SOURCE = Path(__file__).with_name("cpu_dequant.c")
 FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
          ["-O3", "-fopenmp"], ["-O3"])
 
+Stored = dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # codes, scale, zero per width
+
 
 def _cpu() -> str:
     """What -march=native compiles for: the CPU's model and flags where /proc/cpuinfo says."""
@@ -73,7 +75,7 @@ def library() -> ctypes.CDLL | None:
             errors.append(f"loading {so}: {e}")
             continue
         P, I64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rdkv_keys.argtypes = [P, P, P, ctypes.c_int, ctypes.c_int, I64, I64, P, P, P, I64, I64, P, ctypes.c_int]
+        lib.rdkv_keys.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, I64, I64, P, ctypes.c_int]
         lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
                                     ctypes.c_int]
         lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
@@ -100,9 +102,7 @@ def _int64(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
-def attend(out: torch.Tensor, p: torch.Tensor,
-           stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], group: dict[int, int],
-           counts: np.ndarray) -> None:
+def attend(out: torch.Tensor, p: torch.Tensor, stored: Stored, group: dict[int, int], counts: np.ndarray) -> None:
     """``out`` [S, GL, D] float32 (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] float32 (rows of unit
     stride) times the values of one segment: stream s's tokens its class runs in class order (2, 4, 8, 16).
 
@@ -138,53 +138,16 @@ def attend(out: torch.Tensor, p: torch.Tensor,
         raise MemoryError("rdkv_attend: out of memory for its per-thread buffers")
 
 
-def keys(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None, bits: int,
-         k_group: int, row0: np.ndarray, n: np.ndarray, group0: np.ndarray) -> None:
-    """``out`` [pairs, kb, N] float32 := the keys of the (channel block, stream) pairs of one width, channel-major:
-    pair p's n[p] rows from stored row row0[p] on, scale and zero per ``k_group`` tokens from group group0[p] on,
-    zero past n[p].
-
-    ``codes`` [rows, kb * bits / 8] uint8 with ``scale``/``zero`` [groups, kb] fp16, or [rows, kb] fp16/bf16 rows
-    at 16 bits (no scale); ``row0``, ``n``, ``group0`` [pairs] int64 (numpy).
-    """
-    pairs, kb, N = out.shape
-    _check("out", out, torch.float32, (pairs, kb, N))
-    for name, x in (("row0", row0), ("n", n), ("group0", group0)):
-        _int64(name, x, (pairs,))
-    rows, groups = codes.shape[0], 0
-    if bits == 16:
-        _check("16-bit rows", codes, (torch.float16, torch.bfloat16), (rows, kb))
-    else:
-        _check("codes", codes, torch.uint8, (rows, kb * bits // 8))
-        groups = scale.shape[0]
-        _check("scale", scale, torch.float16, (groups, kb))
-        _check("zero", zero, torch.float16, (groups, kb))
-    if pairs and (int(n.max()) > N or int((row0 + n).max()) > rows
-                  or bits != 16 and int((group0 + (n + k_group - 1) // k_group).max()) > groups):
-        raise RDKVError("keys: a pair's rows or scale groups run past the stored tensors, or past N")
-    library().rdkv_keys(codes.data_ptr(), _ptr(scale), _ptr(zero), bits, int(codes.dtype == torch.bfloat16), kb,
-                        k_group, row0.ctypes.data, n.ctypes.data, group0.ctypes.data, pairs, N, out.data_ptr(),
-                        torch.get_num_threads())
-
-
-def scores(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-           k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray, group0: np.ndarray, stream: np.ndarray,
-           query: torch.Tensor) -> None:
-    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p: ``query`` [pairs, GL, kb] float32 (its
-    query block) dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]. Pair p has width
-    width[p] and reads ``stored[width[p]]``: (codes [rows, kb * w / 8] uint8, scale, zero [groups, kb] fp16) its
-    n[p] rows from row0[p] on, scale and zero per ``k_group`` tokens from group group0[p] on; at 16 bits (rows
-    [rows, kb] fp16/bf16, None, None); at width 0 (channel means [., kb] fp16, None, None), row row0[p]. The keys
-    are never written out."""
-    S, GL, N = out.shape
-    pairs, kb = query.shape[0], query.shape[2]
-    _check("out", out, torch.float32, (S, GL, N))
-    _check("query", query, torch.float32, (pairs, GL, kb))
-    for name, x in (("width", width), ("row0", row0), ("n", n), ("group0", group0), ("stream", stream)):
-        _int64(name, x, (pairs,))
+def _key_tables(name: str, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
+                group0: np.ndarray, kb: int, N: int) -> tuple[np.ndarray, list, list, list, int]:
+    """What rdkv_keys and rdkv_scores are given for the pairs' tensors, each checked against the pairs: every pair's
+    width position, the code, scale and zero pointers per width, and whether the 16-bit rows are bf16."""
+    pairs = len(width)
+    for arg, x in (("width", width), ("row0", row0), ("n", n), ("group0", group0)):
+        _int64(arg, x, (pairs,))
     index = np.searchsorted(K_WIDTHS, width)  # the C side finds a pair's tensors by the width's position
     if pairs and not np.array_equal(np.take(K_WIDTHS, index, mode="clip"), width):
-        raise RDKVError(f"scores: widths must be in {K_WIDTHS}, got {sorted(set(width.tolist()))}")
+        raise RDKVError(f"{name}: widths must be in {K_WIDTHS}, got {sorted(set(width.tolist()))}")
     codes, scale, zero, bf16 = [None] * 5, [None] * 5, [None] * 5, 0
     rows, groups = np.zeros(5, np.int64), np.zeros(5, np.int64)  # stored per width
     for i in set(index.tolist()):
@@ -203,10 +166,39 @@ def scores(out: torch.Tensor, stored: dict[int, tuple[torch.Tensor, torch.Tensor
         codes[i] = _ptr(x)
     packed = (index > 0) & (index < 4)
     if pairs and ((row0 + np.where(index == 0, 1, n) > rows[index]).any() or int(n.max()) > N
-                  or (packed & (group0 + -(-n // k_group) > groups[index])).any()
-                  or int(stream.min()) < 0 or int(stream.max()) >= S):
-        raise RDKVError(f"scores: a pair runs past its width's stored rows or scale groups, its count exceeds N={N} "
-                        f"or its stream is outside 0..{S - 1}")
+                  or (packed & (group0 + -(-n // k_group) > groups[index])).any()):
+        raise RDKVError(f"{name}: a pair runs past its width's stored rows or scale groups, or its count exceeds N={N}")
+    return index, codes, scale, zero, bf16
+
+
+def keys(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
+         group0: np.ndarray) -> None:
+    """``out`` [pairs, kb, N] float32 := the keys of every (channel block, stream) pair p, channel-major, zero past
+    n[p]. Pair p has width width[p] and reads ``stored[width[p]]``: (codes [rows, kb * w / 8] uint8, scale, zero
+    [groups, kb] fp16) its n[p] rows from row0[p] on, scale and zero per ``k_group`` tokens from group group0[p]
+    on; at 16 bits (rows [rows, kb] fp16/bf16, None, None); at width 0 (channel means [., kb] fp16, None, None),
+    row row0[p]."""
+    pairs, kb, N = out.shape
+    _check("out", out, torch.float32, (pairs, kb, N))
+    index, codes, scale, zero, bf16 = _key_tables("keys", stored, k_group, width, row0, n, group0, kb, N)
+    P = ctypes.c_void_p * 5
+    library().rdkv_keys(P(*codes), P(*scale), P(*zero), bf16, kb, k_group, index.ctypes.data, row0.ctypes.data,
+                        n.ctypes.data, group0.ctypes.data, pairs, N, out.data_ptr(), torch.get_num_threads())
+
+
+def scores(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
+           group0: np.ndarray, stream: np.ndarray, query: torch.Tensor) -> None:
+    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p: ``query`` [pairs, GL, kb] float32 (its
+    query block) dotted with its keys (as :func:`keys` reads them) at its tokens t < n[p], into the rows of stream
+    stream[p]. The keys are never written out."""
+    S, GL, N = out.shape
+    pairs, kb = query.shape[0], query.shape[2]
+    _check("out", out, torch.float32, (S, GL, N))
+    _check("query", query, torch.float32, (pairs, GL, kb))
+    _int64("stream", stream, (pairs,))
+    index, codes, scale, zero, bf16 = _key_tables("scores", stored, k_group, width, row0, n, group0, kb, N)
+    if pairs and (int(stream.min()) < 0 or int(stream.max()) >= S):
+        raise RDKVError(f"scores: a pair's stream is outside 0..{S - 1}")
     P = ctypes.c_void_p * 5
     if library().rdkv_scores(P(*codes), P(*scale), P(*zero), bf16, kb, k_group, index.ctypes.data, row0.ctypes.data,
                              n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs, query.data_ptr(), GL, N,

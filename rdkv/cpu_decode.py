@@ -110,6 +110,33 @@ class Scores(NamedTuple):
     kept: torch.Tensor  # [S, N] bool
 
 
+def _read_keys(K: torch.Tensor, t: dict[str, torch.Tensor], width: np.ndarray, n: np.ndarray, row0: np.ndarray,
+               group0: np.ndarray, k_group: int) -> None:
+    """The keys of every (channel block, stream) pair into ``K`` [pairs, k_block, N] in torch: pair p (width
+    width[p], storage order) takes the N rows and N / k_group groups from its first on, reading past its own n[p]
+    into the next pair's or zeros (tokens that are not kept)."""
+    _, kb, N = K.shape
+    groups_max, dev, a = N // k_group, K.device, 0
+    for w in quant.WIDTHS:
+        pairs = int((width == w).sum())
+        if not pairs:
+            continue
+        out, at = K[a : a + pairs], slice(a, a + pairs)
+        if w == 0:
+            out.copy_(t["k0.mean"].unsqueeze(2).expand(pairs, kb, N))
+        elif w == 16:
+            out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
+        else:
+            _unpack_channels(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w)
+            scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
+            if len(scale):  # else every pair of this width belongs to an empty stream
+                g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
+                out = out.view(pairs, kb, groups_max, k_group)
+                out.mul_(scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
+                out.add_(zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
+        a += pairs
+
+
 def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions: bool = True) -> Scores:
     """``q`` [S, GL, D] float32 dotted with the keys of one packed segment, per (channel block, stream) pair.
 
@@ -118,10 +145,8 @@ def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions
     channel order (q . k = q[perm] . k[perm]) and cut into the same blocks; each pair's block of the query meets
     its keys, and the products of a stream's pairs add up. With the C functions
     (:func:`rdkv.kernels.cpu_dequant.scores`) the keys are dequantized a tile at a time beside the product and
-    never written out; in torch, each pair takes the N rows and N / k_group groups from its first on, reading past
-    its own into the next pair's or zeros (tokens that are not kept), dequantized channel-major (each pair
-    [k_block, N]: the product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block] on a 2-core EPYC,
-    docs/benchmarks.md). Pre-RoPE keys are dequantized whole, put in the model's channel order and rotated to
+    never written out; in torch (:func:`_read_keys`) they are dequantized channel-major (each pair [k_block, N]: the
+    product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block] on a 2-core EPYC, docs/benchmarks.md). Pre-RoPE keys are dequantized whole, put in the model's channel order and rotated to
     their positions. Positions are read only when ``positions`` (or to rotate keys).
     """
     t, D, spec = seg.t, seg.head_dim, seg.spec
@@ -149,39 +174,21 @@ def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions
     if not rope_keys:  # the query in each stream's packed channel order, in blocks
         qv = q.gather(2, t["k_perm"].long().unsqueeze(1).expand(S, GL, D)).view(S, GL, nb, kb)
         qv = qv.transpose(1, 2).reshape(S * nb, GL, kb)
-    native = cpu_dequant.library() if dev.type == "cpu" else None
+    native = dev.type == "cpu" and cpu_dequant.library()
+    if native:
+        first = np.searchsorted(pw, pw)  # each pair's rows and groups count from the first pair of its width
+        pairs = dict(stored={w: (t["k0.mean" if w == 0 else "k16"], None, None) if w in (0, 16) else
+                             (t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"]) for w in set(pw.tolist())},
+                     k_group=kg, width=pw, row0=row0 - row0[first], n=n[ps], group0=group0 - group0[first])
     if native and not rope_keys:
-        s, first = torch.zeros(S, GL, N, device=dev), np.searchsorted(pw, pw)  # first pair of each pair's width
-        stored = {w: (t["k0.mean" if w == 0 else "k16"], None, None) if w in (0, 16) else
-                  (t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"]) for w in set(pw.tolist())}
-        cpu_dequant.scores(s, stored, kg, pw, row0 - row0[first], n[ps], group0 - group0[first], ps,
-                           qv.index_select(0, _index(block, dev)))
+        s = torch.zeros(S, GL, N, device=dev)
+        cpu_dequant.scores(s, **pairs, stream=ps, query=qv.index_select(0, _index(block, dev)))
         return Scores(s, pos, kept)
-
     K = scratch("dequantized", (nb * S, kb, N), torch.float32, dev)  # pair p's channel block, tokens 0..N-1 of its stream
-    a = 0
-    for w in quant.WIDTHS:
-        pairs = int((pw == w).sum())
-        if not pairs:
-            continue
-        out, at = K[a : a + pairs], slice(a, a + pairs)
-        if w == 0:
-            out.copy_(t["k0.mean"].unsqueeze(2).expand(pairs, kb, N))
-        elif native:
-            scale, zero = (None, None) if w == 16 else (t[f"k{w}.scale"], t[f"k{w}.zero"])
-            cpu_dequant.keys(out, t["k16" if w == 16 else f"k{w}.codes"], scale, zero, w, kg, row0[at] - row0[a],
-                             n[ps[at]], group0[at] - group0[a])
-        elif w == 16:
-            out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
-        else:
-            _unpack_channels(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w)
-            scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
-            if len(scale):  # else every pair of this width belongs to an empty stream
-                g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
-                out = out.view(pairs, kb, groups_max, kg)
-                out.mul_(scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
-                out.add_(zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
-        a += pairs
+    if native:
+        cpu_dequant.keys(K, **pairs)
+    else:
+        _read_keys(K, t, pw, n[ps], row0, group0, kg)
     block = _index(block, dev)
     if not rope_keys:
         part = torch.bmm(qv.index_select(0, block), K)

@@ -63,9 +63,9 @@ def test_launchers_reject_what_does_not_fit():
     kb, kg = layer.spec.k_block, layer.spec.k_group
     one = np.array([0]), np.array([min(len(codes), 10)]), np.array([0])
     past = np.array([len(codes) - 1]), np.array([2]), np.array([0])
-    cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *one)
-    with pytest.raises(RDKVError, match="run past the stored tensors"):
-        cpu_dequant.keys(torch.empty(1, kb, 16), codes, scale, zero, 4, kg, *past)
+    cpu_dequant.keys(torch.empty(1, kb, 16), {4: (codes, scale, zero)}, kg, np.array([4]), *one)
+    with pytest.raises(RDKVError, match="keys: a pair runs past its width's stored rows"):
+        cpu_dequant.keys(torch.empty(1, kb, 16), {4: (codes, scale, zero)}, kg, np.array([4]), *past)
 
     def scores(width, row0, n, group0, stream):
         cpu_dequant.scores(torch.zeros(2, 3, 16), {4: (codes, scale, zero)}, kg, np.array([width]), row0, n, group0,
@@ -104,7 +104,7 @@ def test_the_cpu_path_scores_and_attends_in_c_where_it_builds(monkeypatch):
     calls = []
     for name in ("scores", "attend", "keys"):
         fn = getattr(cpu_dequant, name)
-        monkeypatch.setattr(cpu_dequant, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        monkeypatch.setattr(cpu_dequant, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     layer = build(seed=3, B=1, H=2, T=300, D=64, n_c=2)
     cpu_decode.trizone_attention(torch.randn(1, 4, 1, 64), layer, 0.125)
     assert calls == ["scores", "attend"]
