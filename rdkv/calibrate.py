@@ -22,6 +22,7 @@ import torch
 
 from .api import compress
 from .attention import attention_modules, record
+from .compat import cache_kwargs, output_cache
 from .distortion import Calibration
 from .errors import BudgetInfeasible, RDKVError
 from .methods import AUTO, METHODS, Method, resolve
@@ -64,7 +65,7 @@ def plain_prefill(model: torch.nn.Module, ids: torch.Tensor):
     compressed layer, which masks over absolute positions, can stand in for any of them (:func:`swap_in`)."""
     from transformers import DynamicCache
 
-    return model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1).past_key_values
+    return output_cache(model(ids, **cache_kwargs(DynamicCache()), use_cache=True, logits_to_keep=1))
 
 
 def swap_in(full, compressed: TriZoneCache, layers):
@@ -86,7 +87,7 @@ def _recorded(model: torch.nn.Module, ids: torch.Tensor, all_queries: bool = Fal
               plain: bool = False) -> tuple[Record, object]:
     """A record of prefilling ``ids`` and that prefill's cache (:func:`plain_prefill`'s with ``plain``)."""
     with record(model, all_queries=all_queries) as rec:
-        full = plain_prefill(model, ids) if plain else model(ids, use_cache=True, logits_to_keep=1).past_key_values
+        full = plain_prefill(model, ids) if plain else output_cache(model(ids, use_cache=True, logits_to_keep=1))
     return rec, full
 
 
@@ -106,8 +107,8 @@ def _measure(model: torch.nn.Module, texts: list[torch.Tensor], prefix: float,
                 cache = compress(rec, b, method=m)
             except BudgetInfeasible:
                 continue
-            got.append((key, cache.distortion, model(ids[:, n:], past_key_values=cache).logits[0].float().log_softmax(-1)))
-        ref = model(ids[:, n:], past_key_values=full).logits[0].float().log_softmax(-1)
+            got.append((key, cache.distortion, model(ids[:, n:], **cache_kwargs(cache)).logits[0].float().log_softmax(-1)))
+        ref = model(ids[:, n:], **cache_kwargs(full)).logits[0].float().log_softmax(-1)
         out += [(key, d, kl(ref, lp)) for key, d, lp in got]
     return out
 
@@ -203,7 +204,7 @@ def fit_layer_gains(model: torch.nn.Module, texts: torch.Tensor | list[torch.Ten
         cache = compress(rec, budget, method=m)
 
         def through(c) -> torch.Tensor:
-            return model(ids[:, n:], past_key_values=c).logits[0].float().log_softmax(-1)
+            return model(ids[:, n:], **cache_kwargs(c)).logits[0].float().log_softmax(-1)
 
         ref = through(copy.deepcopy(full))
         layer_kl = [kl(ref, through(swap_in(full, cache, [i]))) for i in range(len(cache.layers))]

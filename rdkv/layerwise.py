@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from . import quant
 from .api import FoldPolicy, check_budget, dtype16, held_cache, held_layer, pack_held, set_fold
 from .attention import attention_modules, record
+from .compat import cache_kwargs
 from .errors import BudgetInfeasible, RDKVError
 from .methods import AUTO, RDKV, Method, resolve
 from .records import LayerStats, Record
@@ -184,7 +185,7 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     try:
         with record(model, window, m.all_queries, tokens=mode == "staged") as rec, _chunked_mlps(model, mlp_chunk):
             rec.on_layer = pack_now if mode == "layer" else stage
-            model(input_ids, attention_mask=attention_mask, past_key_values=_Unstored(config=model.config),
+            model(input_ids, attention_mask=attention_mask, **cache_kwargs(_Unstored(config=model.config)),
                   use_cache=True, logits_to_keep=1)
         if mode == "staged":
             surprise = m.prior.surprise(rec)

@@ -51,7 +51,7 @@ def text_ids(tok, n: int) -> torch.Tensor:
 def ms_per_token(model, ids: torch.Tensor, cache, tokens: int) -> float:
     cache = copy.deepcopy(cache)
     t = time.perf_counter()
-    model.generate(ids, past_key_values=cache, max_new_tokens=tokens, min_new_tokens=tokens,
+    model.generate(ids, **rdkv.cache_kwargs(cache), max_new_tokens=tokens, min_new_tokens=tokens,
                    do_sample=False)
     return (time.perf_counter() - t) * 1e3 / tokens
 
@@ -145,7 +145,7 @@ def main() -> None:
     for n in args.contexts:
         ids = text_ids(tok, n)
         with rdkv.record(model) as rec:
-            full = model(ids[:, :-1], use_cache=True, logits_to_keep=1).past_key_values
+            full = rdkv.compat.output_cache(model(ids[:, :-1], use_cache=True, logits_to_keep=1))
         caches = {b: rdkv.compress(rec, b) for b in args.budgets}
         del rec
         for loaded in (False, True) if args.load else (False,):

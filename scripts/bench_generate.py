@@ -10,7 +10,7 @@ written in place each step, so no step copies the cache); an rdkv cache packs on
 budget in real bytes) and gives every model layer its own copy of it, so memory and bandwidth are those of a
 real cache of that size.
 
-For each (context, batch) it times greedy decode steps (``model(token, past_key_values=cache)`` + argmax) for
+For each (context, batch) it times greedy decode steps (``model(token, **rdkv.cache_kwargs(cache))`` + argmax) for
 
 * ``full / sdpa``    transformers' SDPA attention over the full cache;
 * ``full / flash``   the split-K flash-decoding kernel (``rdkv.kernels.flash_decode``) over the full cache;
@@ -138,7 +138,7 @@ def time_steps(model, cache, B: int, start: int, steps: int, warmup: int, dev) -
 
     def step(i: int) -> torch.Tensor:
         pos = torch.full((B, 1), start + i, dtype=torch.long, device=dev)
-        return model(tok, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        return model(tok, **rdkv.cache_kwargs(cache), position_ids=pos, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
 
     with torch.no_grad():
         for i in range(warmup):

@@ -94,11 +94,11 @@ def cell(args) -> dict:
     t0 = time.perf_counter()
     try:
         if args.path == "full":
-            cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+            cache = rdkv.compat.output_cache(model(ids, use_cache=True, logits_to_keep=1))
             nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         elif args.path == "record":
             with rdkv.record(model) as rec:
-                cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+                cache = rdkv.compat.output_cache(model(ids, use_cache=True, logits_to_keep=1))
             nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         elif args.path == "record+compress":
             with rdkv.record(model) as rec:

@@ -8,7 +8,6 @@ import os
 import platform
 import sysconfig
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from rdkv.calibrate import PriorFit
 from rdkv.dense import probabilities
 from rdkv.methods import Method
 
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated")
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 DEFAULT_METHODS = ["rdkv", "rdkv-global", "rdkv-1pass", "rdkv-v0", "rdkv-paper", "snapkv", "adakv", "streaming", "knorm",
                    "kivi2", "kivi4", "int4", "int8"]
@@ -256,7 +254,7 @@ def probe_inputs(tok, n: int, depth: float, protocol: str, seed: int) -> tuple[t
 
 def forward(model, cache, tail: torch.Tensor) -> torch.Tensor:
     """Logits [L, V] of teacher-forcing ``tail`` [1, L] through ``cache`` (float32)."""
-    return model(tail, past_key_values=cache).logits[0].float()
+    return model(tail, **rdkv.cache_kwargs(cache)).logits[0].float()
 
 
 def dense_probs(st, q: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ def main() -> None:
                 c = rdkv.compress(rec, b, method=name, **extra)
                 runs.append((m, b, [(layer.v_widths()[0] == 0) for layer in c.layers], forward(model, c, tail)))
         with rdkv.record(model) as asked:  # the prefix again, then the question: its queries and keys
-            ref = forward(model, model(prefix, use_cache=True, logits_to_keep=1).past_key_values, tail)
+            ref = forward(model, rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1)), tail)
         for m, b, evicted, logits in runs:
             shares = [float(((w * e).sum(-1) / w.sum(-1)).max()) for w, e in zip(window, evicted)]
             on_q = [question_mass_on(asked.layers[i], e, tail.shape[1]) for i, e in enumerate(evicted)]

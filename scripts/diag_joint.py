@@ -46,8 +46,8 @@ def main() -> None:
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
         # the continuation's queries: a record keeping them all, of prefix + tail through a plain cache
         with rdkv.record(model, window=args.continuation) as seen:
-            cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
-            model(tail, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
+            model(tail, **rdkv.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         later = seen.layers
         with rdkv.record(model) as rec:
             model(prefix, use_cache=True, logits_to_keep=1)

@@ -55,7 +55,7 @@ def main() -> None:
             a = int(args.start * max(0, ids.shape[1] - n - args.continuation))
             prefix, tail = ids[:, a : a + n], ids[:, a + n : a + n + args.continuation]
             with rdkv.record(model, window=args.continuation) as seen:  # the continuation's queries
-                model(tail, past_key_values=plain_prefill(model, prefix), use_cache=True, logits_to_keep=1)
+                model(tail, **rdkv.cache_kwargs(plain_prefill(model, prefix)), use_cache=True, logits_to_keep=1)
             later = seen.layers
             with rdkv.record(model) as rec:
                 full = plain_prefill(model, prefix)

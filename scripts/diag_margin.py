@@ -29,7 +29,7 @@ def main() -> None:
         for depth in args.depths:
             prefix, tail, n_ans = probe_inputs(tok, n, depth, args.protocol, args.seed)
             with rdkv.record(model) as rec:
-                full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+                full_cache = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
             runs = [("full", 1.0, 1.0, forward(model, full_cache, tail))]
             runs += [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail))
                      for m, b, c in compressions(rec, args.methods, args.budgets)]

@@ -76,7 +76,7 @@ def main() -> None:
         ids = tok(domain_text(domain), return_tensors="pt").input_ids
         prefix, tail = ids[:, :n], ids[:, n : n + args.continuation]
         with rdkv.record(model) as rec:
-            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+            full_cache = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
         caches = [("budget", b, rdkv.compress(rec, b, method=method, **extra)) for b in args.budgets]
         for eps in args.eps:
             try:
@@ -86,7 +86,7 @@ def main() -> None:
         ratios = [c.nbytes / c.fp16_bytes for _, _, c in caches]  # before the tail grows zone C
         logits = [forward(model, c, tail) for _, _, c in caches]
         with rdkv.record(model) as asked:  # the prefix again, then the continuation: its queries
-            ref = forward(model, model(prefix, use_cache=True, logits_to_keep=1).past_key_values, tail)
+            ref = forward(model, rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1)), tail)
         for how, x, c in caches[: len(args.budgets)]:
             layer_points.append((c.layer_distortion, layer_error(asked, c, full_cache, tail.shape[1])))
         for (how, x, c), ratio, lg in zip(caches, ratios, logits):

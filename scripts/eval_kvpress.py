@@ -74,7 +74,7 @@ def held_bytes(cache: DynamicCache) -> int:
 def fed(model, cache, tail: torch.Tensor, start: int) -> torch.Tensor:
     """Logits [L, V] of teacher-forcing ``tail`` through ``cache`` at positions start.. (float32)."""
     pos = torch.arange(start, start + tail.shape[1]).unsqueeze(0)
-    return model(tail, past_key_values=cache, position_ids=pos).logits[0].float()
+    return model(tail, **rdkv.cache_kwargs(cache), position_ids=pos).logits[0].float()
 
 
 def press_prefill(model, name: str, budget: float, prefix: torch.Tensor) -> DynamicCache:
@@ -85,7 +85,7 @@ def press_prefill(model, name: str, budget: float, prefix: torch.Tensor) -> Dyna
     clear_head_masks(model)
     cache = DynamicCache()
     with press(model):
-        model(prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(prefix, **rdkv.cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     return cache
 
 
@@ -143,7 +143,7 @@ def main() -> None:
         # rdkv and its re-implemented baselines: one recorded prefill, many compressions
         clear_head_masks(model)
         with rdkv.record(model) as rec:
-            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+            full_cache = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
         fp16 = held_bytes(full_cache)
         runs = [("rdkv", *r) for r in rdkv_runs(rec, args.methods, args.budgets, tail)]
         ref_rdkv = forward(model, copy.deepcopy(full_cache), tail)

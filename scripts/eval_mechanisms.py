@@ -234,7 +234,7 @@ def run_domain(model: Any, tok: Any, cap: Capture, domain: str, n: int, args: ar
     ids = tokens(tok, domain, n + args.continuation, args.seed)
     ctx, tail = ids[:, :n], ids[:, n:]
     cap.on, cap.layers = True, {}
-    cache = model(ctx, use_cache=True, logits_to_keep=1).past_key_values
+    cache = rdkv.compat.output_cache(model(ctx, use_cache=True, logits_to_keep=1))
     cap.on = False
     layers = [cap.layers[i] for i in sorted(cap.layers)]
     D = layers[0].q.shape[-1]

@@ -62,7 +62,7 @@ def prefills(model, tok, domains: list[str], contexts: list[int], continuation: 
                 print(f"  skip {domain} @ {n}: only {ids.shape[1]} tokens")
             for a in starts:
                 with rdkv.record(model, all_queries=all_queries) as rec:
-                    full_cache = model(ids[:, a : a + n], use_cache=True, logits_to_keep=1).past_key_values
+                    full_cache = rdkv.compat.output_cache(model(ids[:, a : a + n], use_cache=True, logits_to_keep=1))
                 yield (domain, n, rec, full_cache, ids[:, a + n : a + n + continuation],
                        ids[0, a + n + 1 : a + n + continuation + 1])
 

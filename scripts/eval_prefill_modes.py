@@ -23,7 +23,7 @@ PATHS = {"compress": None, "prefill staged": "staged", "prefill layer": "layer"}
 def caches(model, prefix: torch.Tensor, budgets: list[float]):
     """(full cache, {(path, budget): compressed cache}) of one prompt."""
     with rdkv.record(model) as rec:
-        full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+        full = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
     out = {}
     for b in budgets:
         for path, mode in PATHS.items():

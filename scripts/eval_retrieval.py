@@ -45,7 +45,7 @@ def main() -> None:
     for n, depth, seed, protocol in tqdm(jobs, desc="prefills"):
         prefix, tail, n_ans = probe_inputs(tok, n, depth, protocol, seed)
         with rdkv.record(model, all_queries=all_queries) as rec:
-            full_cache = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+            full_cache = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
         ref = forward(model, full_cache, tail)
         runs = [(m, b, c.nbytes / c.fp16_bytes, forward(model, c, tail))
                 for m, b, c in compressions(rec, args.methods, args.budgets, gains, prior)]

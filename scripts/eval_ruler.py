@@ -48,7 +48,7 @@ def greedy(model, cache, ids: torch.Tensor, max_new: int, tok, start: int | None
     out = []
     for _ in range(max_new):
         pos = None if start is None else torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
-        nxt = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1, position_ids=pos).logits[0, -1].argmax()
+        nxt = model(ids, **rdkv.cache_kwargs(cache), use_cache=True, logits_to_keep=1, position_ids=pos).logits[0, -1].argmax()
         start = None if start is None else start + ids.shape[1]
         if nxt.item() == tok.eos_token_id:
             break
@@ -128,7 +128,7 @@ def run(args, model, tok, path) -> None:
                 if not todo and not pending and not missing("full", None):
                     continue
                 with rdkv.record(model, all_queries=all_queries) as rec:
-                    full = model(prefix, use_cache=True, logits_to_keep=1).past_key_values
+                    full = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
                 caches = [("full", None, full, 1.0)] + [
                     (m, b, c, c.nbytes / c.fp16_bytes) for m, b, c in compressions(rec, todo, args.budgets)]
                 answer_all(caches)

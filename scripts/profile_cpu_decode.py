@@ -45,7 +45,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     with rdkv.record(model) as rec:
-        full = model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1).past_key_values
+        full = rdkv.compat.output_cache(model(text_ids(tok, args.tokens), use_cache=True, logits_to_keep=1))
     layer = rdkv.compress(rec, args.budget).layers[args.layer]
     k, v = full.layers[args.layer].keys, full.layers[args.layer].values
     B, H, _, D = k.shape

@@ -34,12 +34,12 @@ def main() -> None:
 
     def answer(cache) -> tuple[str, float]:
         t = time.perf_counter()
-        out = model.generate(full_ids, past_key_values=cache, max_new_tokens=n_ans, do_sample=False)
+        out = model.generate(full_ids, **rdkv.cache_kwargs(cache), max_new_tokens=n_ans, do_sample=False)
         return tok.decode(out[0, full_ids.shape[1]:]), time.perf_counter() - t
 
     t = time.perf_counter()
     with rdkv.record(model) as rec:
-        prefill = model(ctx, use_cache=True, logits_to_keep=1).past_key_values
+        prefill = rdkv.compat.output_cache(model(ctx, use_cache=True, logits_to_keep=1))
     t_prefill = time.perf_counter() - t
     print(f"{args.model}: {ctx.shape[1]} context tokens, needle at depth {args.depth:.0%}, prefill {t_prefill:.1f}s")
     print(f"expected answer: {probe['answer']!r}\n")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rdkv.solvers import exact, lagrangian
+from rdkv.solvers.mckp import exact, lagrangian
 
 BITS = np.array([0, 2, 4, 8, 16])
 

@@ -110,6 +110,24 @@ def test_generate_resumes_from_a_compressed_cache(llama):
     assert cache.get_seq_length() == 80 + 5 + 7
 
 
+def test_readme_calls_warn_of_nothing(llama, caplog):
+    """README's calls, on any supported transformers: no FutureWarning (generate's renamed cache keyword) and no
+    deprecation logged by transformers (reading a renamed output field)."""
+    import logging
+    import warnings
+
+    logging.Logger.warning_once.cache_clear()  # transformers logs each deprecation once per process
+    ids, q = torch.randint(0, 96, (1, 80)), torch.randint(0, 96, (1, 5))
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error")
+        rec, _ = recorded(llama, ids)
+        cache = rdkv.compress(rec, 0.3, **SMALL)
+        out = llama.generate(torch.cat([ids, q], 1), **rdkv.cache_kwargs(cache), max_new_tokens=3, do_sample=False)
+        cache.report()
+    assert out.shape == (1, 88)
+    assert not [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage()]
+
+
 def test_gemma3_sliding_window_layers_decode_like_the_full_cache():
     model = tiny_gemma3()
     ids = torch.randint(0, 96, (1, 40))  # longer than the 16-token window

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rdkv
-from rdkv.solvers import exact, lagrangian
+from rdkv.solvers.mckp import exact, lagrangian
 
 
 @pytest.fixture(scope="module")

@@ -1,1 +1,0 @@
-"""Triton kernels for the TriZone cache (installed as ``rdkv.kernels``)."""

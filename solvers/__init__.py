@@ -1,3 +1,0 @@
-from .mckp import Infeasible, exact, lagrangian
-
-__all__ = ["Infeasible", "lagrangian", "exact"]
