@@ -111,6 +111,8 @@ def attend(out: torch.Tensor, p: torch.Tensor, stored: Stored, group: dict[int, 
     """
     S, GL, D = out.shape
     _int64("counts", counts, (S, 4))
+    if (counts < 0).any():
+        raise RDKVError("attend: a count is negative")
     _check("out", out, torch.float32, (S, GL, D))
     if p.dtype != torch.float32 or p.shape[:2] != (S, GL) or p.stride(2) != 1 or p.stride(0) != GL * p.stride(1) \
             or int(counts.sum(1).max(initial=0)) > p.shape[2] or D % 2 or p.device.type != "cpu":
@@ -127,6 +129,8 @@ def attend(out: torch.Tensor, p: torch.Tensor, stored: Stored, group: dict[int, 
             bf16 = int(x.dtype == torch.bfloat16)
         else:
             g = groups[c] = group[w]
+            if not (isinstance(g, int) and 0 < g <= D and D % g == 0 and g % 4 == 0):
+                raise RDKVError(f"attend: class {w} has V groups of {g} channels; they must divide D={D} in multiples of 4")
             _check(f"class {w} codes", x, torch.uint8, (rows, D * w // 8))
             _check(f"class {w} scale", s, torch.float16, (rows, D // g))
             _check(f"class {w} zero", z, torch.float16, (rows, D // g))
@@ -145,6 +149,10 @@ def _key_tables(name: str, stored: Stored, k_group: int, width: np.ndarray, row0
     pairs = len(width)
     for arg, x in (("width", width), ("row0", row0), ("n", n), ("group0", group0)):
         _int64(arg, x, (pairs,))
+        if pairs and int(x.min()) < 0:
+            raise RDKVError(f"{name}: a pair's {arg} is negative")
+    if not (0 < kb and kb % 4 == 0 and 0 < k_group and N >= 0):
+        raise RDKVError(f"{name}: k_block={kb} must be a positive multiple of 4 and k_group={k_group} positive")
     index = np.searchsorted(K_WIDTHS, width)  # the C side finds a pair's tensors by the width's position
     if pairs and not np.array_equal(np.take(K_WIDTHS, index, mode="clip"), width):
         raise RDKVError(f"{name}: widths must be in {K_WIDTHS}, got {sorted(set(width.tolist()))}")

@@ -8,23 +8,27 @@ norms per channel, computed in query chunks (memory O(T * chunk), never T x T). 
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import contention
 from .backend import backend
+from .compat import CACHE_KWARG
 from .decode import trizone_decode
 from .dense import AttentionSums, allowed_keys, attend
-from .errors import RDKVError
+from .errors import NotRecorded, RDKVError
 from .records import LayerStats, Record
 from .trizone import TriZoneCache, TriZoneLayer
 
 NAME = "rdkv"
+RECORD_WINDOW = 256  # the queries a record keeps per layer (observation-window weights use the last 64 by default)
 
 
 def rdkv_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -78,8 +82,15 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Select the ``"rdkv"`` attention implementation on ``model`` (in place) and return it: SDPA on ordinary
     caches, the TriZone decode on compressed ones, and a pass through a compressed cache on the CPU path on the
-    cores other work leaves free (:mod:`rdkv.contention`, forward hooks on ``model``). :func:`record` calls it;
-    call it yourself to decode a cache from :func:`rdkv.load` with a model that has recorded nothing."""
+    cores other work leaves free (:mod:`rdkv.contention`, forward hooks on ``model``). From then on every prefill
+    into an empty cache is recorded, and its record kept for as long as the cache it returns lives, so that
+    ``rdkv.compress(model, budget)`` (or ``compress(cache, budget)``) compresses it; a later forward through that
+    cache drops the record. :func:`rdkv.models.load` and :func:`record` call it; call it yourself on a model you
+    loaded, or to decode a cache from :func:`rdkv.load`.
+
+    Args:
+        model: a transformers decoder (Llama, Qwen, Mistral, Gemma 3, ...).
+    """
     attention_modules(model)
     AttentionInterface.register(NAME, rdkv_attention)
     AttentionMaskInterface.register(NAME, rdkv_mask)
@@ -91,20 +102,87 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+# The record of each installed model's most recent prefill into a cache, for as long as that cache lives (keyed
+# by the cache, not held by it: a copy of the cache copies no record and no model). None once the cache has grown.
+_PREFILLS: weakref.WeakKeyDictionary[Cache, Record | None] = weakref.WeakKeyDictionary()
+
+
 def _begin_pass(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """A pass through a compressed cache on the CPU path runs on the cores other work leaves free
-    (:mod:`rdkv.contention`)."""
+    """Before each forward of an installed model: a pass through a compressed cache on the CPU path runs on the
+    cores other work leaves free (:mod:`rdkv.contention`); a prefill into an empty cache is recorded for
+    ``rdkv.compress(model)``; a later pass through a recorded cache drops that record (it would keep the
+    prefill's tensors alive beside the grown cache's)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if isinstance(cache, TriZoneCache) and cache.layers and backend(cache.layers[0].device) == "torch":
-        contention.begin_pass()
+    if isinstance(cache, TriZoneCache):
+        cache.check_model(module)
+        if cache.layers and backend(cache.layers[0].device) == "torch":
+            contention.begin_pass()
+        return
+    if cache is not None and cache.get_seq_length() > 0:
+        if _PREFILLS.get(cache) is not None:
+            _PREFILLS[cache] = None
+        return
+    use_cache = kwargs.get("use_cache")
+    if not (module.config.use_cache if use_cache is None else use_cache):
+        return
+    mods = attention_modules(module)
+    if any(getattr(m, "_rdkv_record", None) is not None for m in mods):  # inside rdkv.record or rdkv.prefill
+        return
+    rec = Record(module, RECORD_WINDOW, shares_cache=True)
+    for m in mods:
+        m._rdkv_record = rec
+    module._rdkv_prefill = (rec, mods, _hidden_hook(module, rec, [_keep_ids(rec, args, kwargs)]))
 
 
 def _end_pass(module: torch.nn.Module, args: tuple, kwargs: dict, out) -> None:
+    """After each forward, or its failure: the prefill :func:`_begin_pass` began recording is kept with the cache
+    the forward returned (``_PREFILLS``), and the model keeps a weak reference to that cache."""
     contention.end_pass()
+    pending = module.__dict__.pop("_rdkv_prefill", None)
+    if pending is None:
+        return
+    rec, mods, hooks = pending
+    for m in mods:
+        del m._rdkv_record
+    for h in hooks:
+        h.remove()
+    rec.close()
+    cache = getattr(out, CACHE_KWARG, None)
+    if isinstance(cache, Cache) and rec.layers:
+        _PREFILLS[cache] = rec
+        module._rdkv_last_prefill = weakref.ref(cache)
+
+
+def prefill_record(source: torch.nn.Module | Cache) -> Record:
+    """The record of the prefill that filled ``source`` (a cache), or of ``source``'s most recent prefill (an
+    installed model); a :class:`~rdkv.errors.NotRecorded` that says why there is none and what to call."""
+    if isinstance(source, Cache):
+        if source not in _PREFILLS:
+            raise NotRecorded("this cache's prefill was not recorded: the model did not run rdkv's attention then. Call "
+                              "rdkv.install(model) (rdkv.models.load does) and prefill again, or prefill inside "
+                              "`with rdkv.record(model) as rec:` and compress rec")
+        rec = _PREFILLS[source]
+        if rec is None:
+            raise NotRecorded("this cache has grown since its prefill (a decode step or another prompt ran through it), "
+                              "and rdkv dropped the prefill's record rather than keep a second copy of the cache alive: "
+                              "compress right after the prefill, or prefill the whole text again")
+        return rec
+    if not getattr(source, "_rdkv_pass_hooks", None):
+        raise NotRecorded(f"{type(source).__name__} records no prefill: call rdkv.install(model) before the prefill "
+                          "(rdkv.models.load does), or prefill inside `with rdkv.record(model) as rec:` and compress rec")
+    last = getattr(source, "_rdkv_last_prefill", None)
+    if last is None:
+        raise NotRecorded(f"{type(source).__name__} has run no prefill since rdkv.install: run "
+                          "model(input_ids, use_cache=True), then compress")
+    cache = last()
+    if cache is None:
+        raise NotRecorded("the model's most recent prefill is gone: its output and cache were dropped. Keep the output "
+                          "of model(input_ids, use_cache=True) until compress, or compress its cache")
+    return prefill_record(cache)
 
 
 @contextmanager
-def record(model: torch.nn.Module, window: int = 256, all_queries: bool = False,
+def record(model: torch.nn.Module, window: int = RECORD_WINDOW, all_queries: bool = False,
            tokens: bool = True) -> Iterator[Record]:
     """``with rdkv.record(model) as rec: model(ids, use_cache=True)`` records that prefill for
     :func:`rdkv.compress`, which may then compress ``rec`` any number of times.
@@ -137,29 +215,46 @@ def record(model: torch.nn.Module, window: int = 256, all_queries: bool = False,
 
 
 def _record_tokens(model: torch.nn.Module, rec: Record) -> list:
-    """Hooks that keep the prefill's token ids and final hidden states, from which compress computes each
-    token's surprisal (-log p under the model) without anyone keeping all logits."""
+    """Hooks that keep each recorded prefill's token ids and final hidden states (:func:`_keep_ids`,
+    :func:`_hidden_hook`) for as long as the ``with rdkv.record`` block lasts."""
+    recording = [False]
+    hooks = _hidden_hook(model, rec, recording)
+    if not hooks:
+        return []
+
+    def before(module, args, kwargs):
+        recording[0] = _keep_ids(rec, args, kwargs)
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True), *hooks]
+
+
+def _keep_ids(rec: Record, args: tuple, kwargs: dict) -> bool:
+    """Keep a forward's token ids in ``rec`` (appended to a continued prefill's); whether it is recorded."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(cache, TriZoneCache) or ids is None:
+        return False
+    fresh = cache is None or cache.get_seq_length() == 0
+    rec.ids = ids.detach() if fresh or rec.ids is None else torch.cat([rec.ids, ids.detach()], 1)
+    if fresh:
+        rec.hidden = None
+    return True
+
+
+def _hidden_hook(model: torch.nn.Module, rec: Record, recording: list[bool]) -> list:
+    """A hook on the final norm that keeps the hidden states of a recorded forward in ``rec``, from which compress
+    computes each token's surprisal (-log p under the model) without anyone keeping all logits; none for a
+    model without a final norm and an output head."""
     norm = getattr(model.get_decoder(), "norm", None)
     if norm is None or model.get_output_embeddings() is None:
         return []
-    recording = [False]
-
-    def before(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        recording[0] = not isinstance(cache, TriZoneCache) and ids is not None
-        if recording[0]:
-            fresh = cache is None or cache.get_seq_length() == 0
-            rec.ids = ids.detach() if fresh or rec.ids is None else torch.cat([rec.ids, ids.detach()], 1)
-            if fresh:
-                rec.hidden = None
 
     def after(module, args, out):
         if recording[0]:
             h = out.detach()
             rec.hidden = h if rec.hidden is None else torch.cat([rec.hidden, h], 1)
 
-    return [model.register_forward_pre_hook(before, with_kwargs=True), norm.register_forward_hook(after)]
+    return [norm.register_forward_hook(after)]
 
 
 def _record(rec: Record, module: torch.nn.Module, query, key, value, mask, scaling, window, softcap):
@@ -197,6 +292,15 @@ def _record(rec: Record, module: torch.nn.Module, query, key, value, mask, scali
         total.mass[..., seen - Tk :] += sums.mass
         total.mass2[..., seen - Tk :] += sums.mass2
     attended = mask[:, 0].any(1) if mask is not None else torch.ones(B, Tk, dtype=torch.bool, device=dev)
+    keep = None if window is None else window + rec.window - 1
+    if keep is not None and Tk > keep:
+        # a sliding-window layer's prefill hands attention every key, but its cache keeps the last window: the record
+        # keeps that and what the last queries see. transformers' sliding cache layer is itself a view of every key
+        # until its next update, so a record that lives only as long as the cache takes a view too; one that may
+        # outlive the cache copies (a view would keep every key of the prefill alive)
+        key, value = key[..., -keep:, :], value[..., -keep:, :]
+        if not rec.shares_cache:
+            key, value = key.clone(), value.clone()
     if fresh:
         valid = torch.zeros(B, seen, dtype=torch.bool, device=dev)
         window_q = query[:, :, -rec.window :].clone()  # a view would keep every query of the prefill alive

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_decode, reference
-from .backend import backend
-from .errors import RDKVError
+from .backend import backend, triton_kernel
 from .fold import observe
 from .trizone import TriZoneLayer
 
@@ -25,11 +24,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     """
     chosen = backend(query.device)
     if chosen == "triton":
-        try:
-            from .kernels.trizone_decode import trizone_decode as triton_decode
-        except ImportError as e:
-            raise RDKVError(f"RDKV_BACKEND=triton but the Triton decode kernel is unavailable: {e}") from e
-        out = triton_decode(query, layer, scaling, sliding_window, softcap, mask)
+        out = triton_kernel("decode")(query, layer, scaling, sliding_window, softcap, mask)
     else:
         # the torch paths run many small ops: inference mode drops their autograd bookkeeping (measured with the
         # K-scale folding in docs/benchmarks.md); the output is cloned back to an ordinary tensor, which the model

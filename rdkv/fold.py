@@ -2,12 +2,10 @@
 
 Zone C keeps every token appended after compression in 16 bits. Under a :class:`FoldPolicy`, once a
 layer's zone C holds ``every + keep`` tokens, its oldest ``every`` tokens are allocated and packed the
-way ``compress`` treats a prefill, priced by the RDKV method the cache was compressed with (its distortion
-model, eviction price, weight pooling, K floor, whether tokens may be evicted, and its passes): weights from
-the last ``window`` queries (here decode queries, which the layer keeps in ``t["qwin"]`` and counts in its
-bytes), one knapsack for the layer whose budget is ``budget`` x the fp16 bytes of the folded tokens. The
-generated tokens' surprisal is not recorded, so a fold's prior is the uniform ``floor`` alone, and joint
-eviction pricing (which needs the prefill's queries) does not apply. The newest ``keep`` tokens stay in 16
+way ``compress`` treats a prefill, priced by the RDKV method the cache was compressed with
+(:meth:`rdkv.methods.RDKV.fold`): weights from the last ``window`` queries (here decode queries, which the
+layer keeps in ``t["qwin"]`` and counts in its bytes), one knapsack for the layer whose budget is ``budget`` x
+the fp16 bytes of the folded tokens. The newest ``keep`` tokens stay in 16
 bits. Each layer folds itself during the decode step that fills its zone C, so every layer folds on the same
 step.
 
@@ -16,15 +14,13 @@ Segments of sliding-window layers that no future query can see are dropped: thos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .dense import attend
-from .distortion import layer_tables
 from .errors import RDKVError
 from .methods import RDKV, Eviction, Prior, Solve, Weights
-from .solvers.allocate import allocate
 from .trizone import PackSpec, TriZoneLayer, fixed_bytes, fp16_bytes, k_block_bytes, pack_choice
 
 
@@ -81,7 +77,8 @@ def observe(layer: TriZoneLayer, query: torch.Tensor, scaling: float, softcap: f
 @torch.no_grad()
 def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> None:
     """Pack the oldest ``every`` tokens of zone C into a new segment (see module docstring)."""
-    policy, spec, m = layer.fold, layer.spec, layer.fold.method
+    policy, spec = layer.fold, layer.spec
+    m = replace(policy.method, spec=spec)  # priced as the layer packs
     R = policy.every
     kc, vc, q = layer.t["kc"], layer.t["vc"], layer.t["qwin"]
     B, H, n, D = kc.shape
@@ -90,14 +87,9 @@ def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> No
     q_pos = torch.arange(seq - q.shape[2], seq, device=kc.device)
     k_pos = torch.arange(start, seq, device=kc.device)
     _, sums = attend(q, kc, vc, q_pos, k_pos, scaling, window, softcap)
-    sums = m.weights.pooled(sums)
-    sums.mass, sums.mass2 = sums.mass[..., :R], sums.mass2[..., :R]
     k, v = kc[:, :, :R].float(), vc[:, :, :R].float()
-    present = torch.ones(B, H, R, dtype=torch.bool, device=kc.device)
-    tables = layer_tables(k, v, present, sums, scaling, spec, start + R, m.distortion, policy.floor / R, m.eviction.to,
-                          m.weights.q_floor, protect=present & (not m.eviction.allowed))
-    v_opt, k_opt = allocate([tables], [policy.budget * fp16_bytes(R, H * D)] * B, "layer", m.solve.passes)
-    seg = pack_choice(k, v, start, v_opt[0], k_opt[0], tables.perm, spec, layer.dtype16, window, start + R)
+    alloc = m.fold(k, v, sums, scaling, start + R, policy.floor, [policy.budget * fp16_bytes(R, H * D)] * B)
+    seg = pack_choice(k, v, start, alloc.v[0], alloc.k[0], alloc.perm[0], spec, layer.dtype16, window, start + R)
     del seg.t["kc"], seg.t["vc"]
     layer.folds.append(seg)
     layer.t["kc"], layer.t["vc"] = kc[:, :, R:].clone(), vc[:, :, R:].clone()

@@ -29,10 +29,13 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
-from .trizone import PackSpec, TriZoneCache, TriZoneLayer
+from .trizone import POSITION_LIMIT, SIGNATURE, PackSpec, TriZoneCache, TriZoneLayer, check_layout
 
 FORMAT = "rdkv.trizone"
-VERSION = 3  # 2: per-layer modelled distortion, a V group size per width; 3: the fold policy names its method
+# 2: per-layer modelled distortion, a V group size per width; 3: the fold policy names its method; 4: the model the cache
+# was compressed for (a version-3 file loads without it, and decodes with any model whose shapes fit)
+VERSION = 4
+READS = (3, 4)
 _DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
            torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
            torch.bool: "BOOL"}
@@ -101,7 +104,7 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     meta = {"format": FORMAT, "format_version": str(VERSION),
             "cache": json.dumps({"fp16_bytes": cache.fp16_bytes, "budget": cache.budget, "layers": len(layers),
                                  "method": cache.method, "layer_distortion": cache.layer_distortion,
-                                 "fold": None if policy is None else asdict(policy)}),
+                                 "fold": None if policy is None else asdict(policy), "model": cache.model}),
             "layers": json.dumps(layers, sort_keys=True)}
     meta["sha256"] = _checksum(tensors, meta)
     path = os.fspath(path)
@@ -122,14 +125,25 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZoneCache:
     """Read a cache written by :func:`save`, verify it, and place its tensors on ``device``.
 
-    Raises :class:`rdkv.RDKVError` for a missing path and :class:`rdkv.CorruptFile` saying what is wrong
-    with the file (truncated, not a cache, another format version, missing tensors, or a checksum mismatch)
-    rather than returning a cache that could
-    decode wrong tokens.
+    A file is untrusted input: the checksum only shows it is what some writer wrote. Every field is checked
+    before anything is built or sized by it (:func:`rdkv.trizone.check_layout`): scalars in range, the pack spec
+    legal, every count, position, permutation and width table consistent with the tensors it indexes, their
+    dtypes and shapes exactly what the packer makes, 16-bit values, scales and zeros finite, the fold policy and
+    spans well formed. The model the cache was compressed for is recorded in it, and decoding with another
+    raises (:meth:`rdkv.TriZoneCache.check_model`).
+
+    Raises :class:`rdkv.RDKVError` for a path that is not a regular file and :class:`rdkv.CorruptFile` saying
+    what is wrong with the file (truncated, not a cache, another format version, missing tensors, a checksum
+    mismatch, or the field that is out of range) rather than returning a cache that could decode wrong tokens.
+
+    Args:
+        path: a file :func:`save` wrote.
+        device: where the cache's tensors are placed (after they are checked, on the CPU).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        what = ("is a directory" if os.path.isdir(path) else "is not a regular file" if os.path.exists(path)
+                else "does not exist")
         raise RDKVError(f"cannot load a cache from {path!r}: it {what}; pass the file rdkv.save wrote")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -144,12 +158,12 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
         version = int(meta.get("format_version", ""))
     except ValueError:
         version = None
-    if version != VERSION:
+    if version not in READS:
         hint = ("it was written by a newer rdkv: upgrade rdkv to read it" if version is not None and version > VERSION
                 else "an older rdkv wrote it, in a layout this rdkv no longer reads" if version is not None and version >= 1
                 else "that version is unknown")
         raise CorruptFile(f"{path!r} has rdkv cache format version {meta.get('format_version')!r} and this rdkv reads "
-                        f"version {VERSION}; {hint}, or compress the prefix again")
+                        f"versions {', '.join(map(str, READS))}; {hint}, or compress the prefix again")
     try:
         top, layers = json.loads(meta["cache"]), json.loads(meta["layers"])
         want = {f"layers.{i}.{n}" for i, lay in enumerate(layers) for n in lay["tensors"]}
@@ -168,22 +182,80 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     if _checksum(tensors, meta) != meta.get("sha256"):
         raise CorruptFile(f"{path!r} is corrupted: its sha256 checksum does not match its contents; "
                         "save the cache again from the original (or compress the prefix again)")
+    try:
+        cache = _build(top, layers, tensors)
+    except (RDKVError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptFile(f"{path!r}: {e}; the file is damaged or was not written by rdkv.save: save it again") from e
+    return _placed(cache, device)
+
+
+def _number(name: str, x, lo: float, hi: float, none: bool = False) -> float | None:
+    if x is None and none:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (lo <= x <= hi):
+        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {x!r}")
+    return x
+
+
+def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZoneCache:
+    """The cache the metadata and tensors describe, every field checked first (:func:`rdkv.trizone.check_layout`,
+    :meth:`rdkv.fold.FoldPolicy.check`): a bad field raises naming it, before anything is sized by it."""
     out = []
     for i, lay in enumerate(layers):
-        if lay["dtype16"] not in _DTYPE16:
-            raise CorruptFile(f"{path!r} layer {i}: unknown 16-bit dtype {lay['dtype16']!r}")
-        shape = dict(batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], spec=PackSpec(**lay["spec"]),
-                     sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]])
-        t = {n: tensors[f"layers.{i}.{n}"].to(device) for n in lay["tensors"]}
-        layer = TriZoneLayer(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
-        layer.c_start = lay.get("c_start", lay["prefix_len"])
-        for j, f in enumerate(lay.get("folds", [])):
-            ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"].to(device) for n in f["tensors"]}
-            layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
+        try:
+            if lay["dtype16"] not in _DTYPE16:
+                raise ValueError(f"unknown 16-bit dtype {lay['dtype16']!r}")
+            shape = dict(batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], spec=PackSpec(**lay["spec"]),
+                         sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]])
+            t = {n: tensors[f"layers.{i}.{n}"] for n in lay["tensors"]}
+            check_layout(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
+            layer = TriZoneLayer(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
+            end = lay["prefix_len"]
+            for j, f in enumerate(lay["folds"]):
+                ft = {n: tensors[f"layers.{i}.folds.{j}.{n}"] for n in f["tensors"]}
+                if f["start"] < end:
+                    raise ValueError(f"fold {j} starts at {f['start']}, before the end {end} of what precedes it")
+                try:
+                    check_layout(ft, start=f["start"], prefix_len=f["end"], zone_c=False, **shape)
+                except RDKVError as e:
+                    raise RDKVError(f"fold {j}: {e}") from e
+                layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))
+                end = f["end"]
+            layer.c_start = lay["c_start"]
+            _number("c_start", layer.c_start, end if layer.folds else lay["prefix_len"],
+                    POSITION_LIMIT - t["kc"].shape[2])
+            if layer.folds and layer.c_start != end:
+                raise ValueError(f"zone C starts at {layer.c_start}, not where the last fold ends ({end})")
+        except (RDKVError, KeyError, TypeError, ValueError) as e:
+            raise RDKVError(f"layer {i}: {e}") from e
         out.append(layer)
-    per_layer = top.get("layer_distortion")
-    cache = TriZoneCache(out, fp16_bytes=top["fp16_bytes"], budget=top["budget"], method=top.get("method"),
-                         layer_distortion=None if per_layer is None else tuple(per_layer))
-    if top.get("fold"):
-        cache.set_fold(FoldPolicy.from_dict(top["fold"]))
+    if any(x.batch != out[0].batch for x in out):
+        raise ValueError("the layers hold different batch sizes")
+    distortion = top["layer_distortion"]
+    if distortion is not None:
+        if not isinstance(distortion, list) or len(distortion) != len(out):
+            raise ValueError("layer_distortion must hold one number per layer")
+        distortion = tuple(_number("layer_distortion", d, 0, float("inf")) for d in distortion)
+    model = top.get("model")
+    if model is not None and (not isinstance(model, dict) or set(model) != set(SIGNATURE)):
+        raise ValueError(f"the model signature must name {SIGNATURE}")
+    if top["method"] is not None and not isinstance(top["method"], str):
+        raise ValueError(f"method must be a name, got {top['method']!r}")
+    cache = TriZoneCache(out, fp16_bytes=int(_number("fp16_bytes", top["fp16_bytes"], 0, 2**62)),
+                         budget=_number("budget", top["budget"], 0, 1, none=True), method=top["method"],
+                         layer_distortion=distortion, model=model)
+    if top["fold"]:
+        try:
+            policy = FoldPolicy.from_dict(top["fold"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RDKVError(f"the fold policy is malformed ({e})") from e
+        cache.set_fold(policy)
+    return cache
+
+
+def _placed(cache: TriZoneCache, device: str | torch.device) -> TriZoneCache:
+    """``cache`` with every tensor on ``device`` (validated on the CPU first)."""
+    for layer in cache.layers:
+        for seg in layer.segments():
+            seg.t = {n: x.to(device) for n, x in seg.t.items()}
     return cache

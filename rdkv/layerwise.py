@@ -34,14 +34,15 @@ import torch
 from transformers import DynamicCache
 
 from . import quant
-from .api import FoldPolicy, check_budget, dtype16, held_cache, held_layer, pack_held, set_fold
+from .fold import FoldPolicy
+from .pipeline import check_budget, dtype16, held_cache, held_layer, pack_held, set_fold
 from .attention import attention_modules, record
 from .compat import cache_kwargs
 from .errors import BudgetInfeasible, RDKVError
 from .methods import AUTO, RDKV, Method, resolve
 from .records import LayerStats, Record
 from .solvers.mckp import Infeasible
-from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes
+from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes, model_signature
 
 MODES = ("staged", "layer")
 MLP_CHUNK = 2048  # tokens per MLP call during a prefill
@@ -197,7 +198,8 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
                 _trim(input_ids.device)
         order = range(len(layers))
         cache = TriZoneCache([layers[i] for i in order], fp16_bytes=sum(sum(fp16[i]) for i in order), budget=budget,
-                             method=m.name, layer_distortion=tuple(distortion[i] for i in order))
+                             method=m.name, layer_distortion=tuple(distortion[i] for i in order),
+                             model=model_signature(model))
         set_fold(cache, fold, m)
     except BaseException:
         if previous is not None and previous != model.config._attn_implementation:

@@ -22,6 +22,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .attention import install
 from .errors import RDKVError
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,16 @@ def check_tokenizer(tokenizer: Any, path: Path) -> None:
 
 def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu") -> tuple[Any, Any]:
-    """Return (model, tokenizer) in eval mode, converting a known GGUF model once on first use."""
+    """Return (model, tokenizer) in eval mode, converting a known GGUF model once on first use.
+
+    The model comes with :func:`rdkv.install` run on it: its prefills are recorded for ``rdkv.compress(model)``
+    and it decodes compressed caches.
+
+    Args:
+        name_or_path: a known name (``"smollm2-135m"``, ``"gemma3-270m"``) or a local transformers folder.
+        dtype: the weights' dtype.
+        device: where the model is placed.
+    """
     path = Path(name_or_path).expanduser()
     if name_or_path not in MODELS:
         if not (path / "config.json").is_file():
@@ -100,7 +110,7 @@ def load(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     tokenizer = AutoTokenizer.from_pretrained(path)
     check_tokenizer(tokenizer, path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval(), tokenizer
+    return install(model.to(device).eval()), tokenizer
 
 
 def _missing(name: str, err: Exception | None = None) -> ModelPackageMissing:

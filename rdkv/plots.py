@@ -15,11 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from . import api, quant
+from . import pipeline, quant
 from .distortion import cache_options, modelled_distortion as objective
 from .errors import RDKVError
 from .methods import Method
-from .records import Record
 from .report import COMPONENTS, layer_components
 from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache
@@ -268,17 +267,18 @@ def bytes_per_token(cache: TriZoneCache) -> Figure:
 # --- rate-distortion -----------------------------------------------------------------------------------
 
 @torch.no_grad()
-def modelled_distortion(rec: Record, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
+def modelled_distortion(rec: pipeline.Prefill, budgets: Sequence[float] = (), caches: Sequence[TriZoneCache] = (),
                         *, method: str | Method = "rdkv", **options) -> tuple[list[float], list[float]]:
     """The allocator's objective (modelled distortion per weight query, the unit of ``cache.distortion``
-    and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the record.
+    and :func:`rdkv.calibrate`) at each budget, and for each given cache compressed from the prefill ``rec`` (a model, cache or record, as
+    :func:`rdkv.compress` takes it).
 
     Budgets are solved as ``rdkv.compress`` solves them (its own tables, the same per-sequence byte
     budgets of budget x fp16 bytes), without packing; a budget too small to fit gives NaN. Only rdkv methods have
     a model of distortion; baselines raise.
     """
-    budgets = [api.check_budget(b) for b in budgets]
-    m, tables, fp16 = api.allocation_tables(rec, method, **options)
+    budgets = [pipeline.check_budget(b) for b in budgets]
+    m, tables, fp16 = pipeline.allocation_tables(rec, method, **options)
     at_budget = []
     for budget in budgets:
         try:
@@ -288,20 +288,21 @@ def modelled_distortion(rec: Record, budgets: Sequence[float] = (), caches: Sequ
     return at_budget, [objective(tables, *cache_options(c, tables)) for c in caches]
 
 
-def rd_curve(rec: Record, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
+def rd_curve(rec: pipeline.Prefill, budgets: Sequence[float], chosen: TriZoneCache | float | None = None, *,
              method: str | Method = "rdkv", **options) -> Figure:
     """Modelled distortion against budget for a recorded prefill, with an operating point marked.
 
     The curve is the solver's own objective (see :func:`modelled_distortion`), so it shows what the
     allocator believes it trades: where extra bytes stop buying much, and how steep the cliff below the
     chosen budget is. ``chosen`` is a cache compressed from this prefill (its allocation is evaluated
-    directly) or a budget. Pass the record and the same ``method`` and options that ``rdkv.compress`` got.
+    directly) or a budget. Pass the prefill (model, cache or record) and the same ``method`` and options that
+    ``rdkv.compress`` got.
     """
     budgets = sorted(budgets)
     caches = [chosen] if isinstance(chosen, TriZoneCache) else []
     extra = [chosen] if isinstance(chosen, (int, float)) and not isinstance(chosen, bool) else []
     d, d_cache = modelled_distortion(rec, budgets + extra, caches, method=method, **options)
-    m = api.method_for(rec, method, options)
+    m = pipeline.method_for(rec, method, options)
     fig = _figure(figsize=(7, 4.5))
     ax = fig.add_subplot()
     ax.plot(budgets, d[: len(budgets)], "o-", color="#2171b5", label=f"{m.name} allocation")

@@ -1,7 +1,8 @@
 """What a prefill leaves behind for :func:`rdkv.compress`: per-layer statistics and the token record.
 
-A :class:`Record` is filled only inside ``with rdkv.record(model) as rec:`` (:func:`rdkv.attention.record`);
-afterwards nothing the model does changes it, so one record can be compressed any number of times.
+A :class:`Record` is filled inside ``with rdkv.record(model) as rec:`` (:func:`rdkv.attention.record`), or by a
+prefill of an installed model, which keeps it with the cache it returns (:func:`rdkv.install`); afterwards
+nothing the model does changes it, so one record can be compressed any number of times.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class Record:
     ids: torch.Tensor | None = None  # [B, seen] token ids of the prefill
     hidden: torch.Tensor | None = None  # [B, seen, d_model] final hidden states of the prefill
     closed: bool = False  # the ``with`` block has ended: the record no longer changes
+    # lives no longer than the cache it records (rdkv.install's record of every prefill): may hold views of its storage
+    shares_cache: bool = False
     # called with a layer's index once its statistics are in ``layers`` (rdkv.prefill packs and frees it there)
     on_layer: Callable[[int], None] | None = field(default=None, repr=False)
     _surprisal: torch.Tensor | None = field(default=None, repr=False)

@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import quant, rope
-from .backend import backend
+from .backend import backend, triton_kernel
 from .errors import RDKVError
 
 V_CLASSES = (2, 4, 8, 16)
@@ -133,6 +133,116 @@ def _k_pairs(k_bits: torch.Tensor, n: torch.Tensor, width: int, k_group: int):
     groups = torch.div(n[s] + k_group - 1, k_group, rounding_mode="floor")
     gid = (torch.cumsum(groups, 0) - groups)[pair] + torch.div(i, k_group, rounding_mode="floor")
     return s[pair], blk[pair], pair, i, gid, len(s), int(groups.sum())
+
+
+POSITION_LIMIT = 2**31 - 1  # positions are stored as int32 at most
+HEAD_DIM_LIMIT = 1024  # the widest head the packer and the decode paths are built for (k_perm is int16 past 256)
+
+
+def _int(name: str, x, lo: int, hi: int = POSITION_LIMIT) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+        raise RDKVError(f"{name} must be an int in [{lo}, {hi}], got {x!r}")
+    return x
+
+
+def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
+                 spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
+    """Raise :class:`RDKVError` naming the first field of a packed segment that is not what :func:`pack_layer` makes:
+    scalars in range, the spec legal for ``head_dim``, exactly the tensors the counts imply with their dtypes and
+    shapes, counts non-negative and within the positions held, positions in range and distinct per stream and in
+    the packer's order, each permutation a permutation, widths legal and sorted, and finite 16-bit values, scales
+    and zeros. Every size is checked against a tensor before anything is sized by it, so a segment from an
+    untrusted file (:func:`rdkv.load`) can make no decode path read out of bounds or allocate beyond its tensors."""
+    B, H = _int("batch", batch, 1, 2**16), _int("heads", heads, 1, 2**16)
+    D = _int("head_dim", head_dim, 4, HEAD_DIM_LIMIT)
+    start, prefix_len = _int("start", start, 0), _int("prefix_len", prefix_len, 0)
+    if start > prefix_len:
+        raise RDKVError(f"start {start} is past prefix_len {prefix_len}")
+    if sliding_window is not None:
+        _int("sliding_window", sliding_window, 1)
+    if dtype16 not in (torch.float16, torch.bfloat16):
+        raise RDKVError(f"the 16-bit dtype must be float16 or bfloat16, got {dtype16}")
+    if not isinstance(spec, PackSpec):
+        raise RDKVError(f"spec must be a PackSpec, got {type(spec).__name__}")
+    spec.check(D)
+    _int("k_group", spec.k_group, 1, POSITION_LIMIT)
+    S, kb, L = B * H, spec.k_block, prefix_len - start
+
+    def tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        x = t.get(name)
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype or tuple(x.shape) != shape:
+            got = "missing" if x is None else f"{tuple(x.shape)} {getattr(x, 'dtype', type(x).__name__)}"
+            raise RDKVError(f"tensor {name!r}: expected {shape} {dtype}, got {got}")
+        if x.is_floating_point() and not torch.isfinite(x).all():
+            raise RDKVError(f"tensor {name!r} holds NaN or Inf")
+        return x
+
+    counts = tensor("v_counts", torch.int32, (S, len(V_CLASSES))).long()
+    if (counts < 0).any():
+        raise RDKVError("v_counts holds a negative count")
+    n = counts.sum(1)
+    if (n > L).any():
+        raise RDKVError(f"v_counts keeps more tokens in a stream than the {L} positions it held")
+    N = int(n.sum())
+    pos = tensor("pos", pos_dtype(prefix_len), (N,)).long()
+    s, i = _segments(n)
+    if N and ((pos < start).any() or (pos >= prefix_len).any()):
+        raise RDKVError(f"pos holds a position outside [{start}, {prefix_len})")
+    cls = (i.unsqueeze(1) >= torch.cumsum(counts, 1)[s]).sum(1)
+    same_run = (s[1:] == s[:-1]) & (cls[1:] == cls[:-1])
+    if (same_run & (pos[1:] <= pos[:-1])).any():
+        raise RDKVError("pos is not increasing within a stream's width class (the packer's order)")
+    if torch.unique(s * (L + 1) + pos - start).numel() != N:
+        raise RDKVError("pos holds a position twice in one stream")
+    perm = tensor("k_perm", torch.uint8 if D <= 256 else torch.int16, (S, D)).long()
+    if not torch.equal(perm.sort(1).values, torch.arange(D, device=perm.device).expand(S, D)):
+        raise RDKVError("k_perm is not a permutation of the channels in every stream")
+    bits = tensor("k_bits", torch.uint8, (S, D // kb)).long()
+    if not torch.isin(bits, torch.tensor(quant.WIDTHS, device=bits.device)).all() or (bits[:, 1:] < bits[:, :-1]).any():
+        raise RDKVError(f"k_bits must hold widths in {quant.WIDTHS}, sorted along each stream")
+    names = {"v_counts", "pos", "k_perm", "k_bits"}
+    for c, w in enumerate(V_CLASSES):
+        rows = int(counts[:, c].sum())
+        if w == 16:
+            tensor("v16", dtype16, (rows, D))
+            names.add("v16")
+            continue
+        g = spec.v_group_of(w)
+        tensor(f"v{w}.codes", torch.uint8, (rows, D * w // 8))
+        tensor(f"v{w}.scale", quant.META_DTYPE, (rows, D // g))
+        tensor(f"v{w}.zero", quant.META_DTYPE, (rows, D // g))
+        names |= {f"v{w}.codes", f"v{w}.scale", f"v{w}.zero"}
+    for w in quant.WIDTHS:
+        pair_n = n[torch.nonzero(bits.T == w, as_tuple=True)[1]]
+        if w == 0:
+            tensor("k0.mean", quant.META_DTYPE, (len(pair_n), kb))
+            names.add("k0.mean")
+        elif w == 16:
+            tensor("k16", dtype16, (int(pair_n.sum()), kb))
+            names.add("k16")
+        else:
+            groups = int(((pair_n + spec.k_group - 1) // spec.k_group).sum())
+            tensor(f"k{w}.codes", torch.uint8, (int(pair_n.sum()), kb * w // 8))
+            tensor(f"k{w}.scale", quant.META_DTYPE, (groups, kb))
+            tensor(f"k{w}.zero", quant.META_DTYPE, (groups, kb))
+            names |= {f"k{w}.codes", f"k{w}.scale", f"k{w}.zero"}
+    if "rope" in t:
+        tensor("rope", torch.float32, (rope.rope_bytes(D) // 4,))
+        names.add("rope")
+    if zone_c:
+        nc = t["kc"].shape[2] if isinstance(t.get("kc"), torch.Tensor) and t["kc"].dim() == 4 else 0
+        tensor("kc", dtype16, (B, H, nc, D))
+        tensor("vc", dtype16, (B, H, nc, D))
+        names |= {"kc", "vc"}
+        if "qwin" in t:
+            q = t["qwin"]
+            if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] % H:
+                raise RDKVError("tensor 'qwin': expected [batch, query heads, window, head_dim]")
+            tensor("qwin", dtype16, (B, q.shape[1], q.shape[2], D))
+            names.add("qwin")
+    extra = sorted(set(t) - names)
+    if extra:
+        raise RDKVError(f"unexpected tensors {extra}")
 
 
 class TriZoneLayer(CacheLayerMixin):
@@ -288,11 +398,7 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
     """
     if backend(x.device) != "triton":
         return quant.quantize_pack_torch(x, bits, group, axis, segments)
-    try:
-        from .kernels.quantize_pack import quantize_pack as triton_quantize_pack
-    except ImportError as e:
-        raise RDKVError(f"RDKV_BACKEND=triton but the Triton quantize kernel is unavailable: {e}") from e
-    return triton_quantize_pack(x, bits, group, axis, segments)
+    return triton_kernel("quantize_pack")(x, bits, group, axis, segments)
 
 
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,
@@ -362,17 +468,55 @@ def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tenso
                       sliding_window, prefix_len)
 
 
+SIGNATURE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+             "vocab_size", "sliding_window", "layer_types")
+
+
+def model_signature(model: torch.nn.Module) -> dict:
+    """The fields of ``model``'s text config a compressed cache depends on (:data:`SIGNATURE`), JSON-ready: a cache
+    decodes only with a model whose signature is its own."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    sig = {name: getattr(c, name, None) for name in SIGNATURE} | {"head_dim": head_dim}
+    sig["layer_types"] = None if sig["layer_types"] is None else list(sig["layer_types"])
+    return sig
+
+
 class TriZoneCache(Cache):
     """A transformers ``Cache`` whose layers are :class:`TriZoneLayer`."""
 
     def __init__(self, layers: list[TriZoneLayer], fp16_bytes: int, budget: float | None = None,
-                 method: str | None = None, layer_distortion: tuple[float, ...] | None = None):
+                 method: str | None = None, layer_distortion: tuple[float, ...] | None = None,
+                 model: dict | None = None):
         super().__init__(layers=layers)
         self.fp16_bytes = fp16_bytes  # what the compressed prefix takes as a plain fp16 cache
         self.budget = budget
         self.method = method  # the method compress ran ("auto" resolved)
         # the solver's modelled distortion per layer (rdkv.calibrate), None for baselines
         self.layer_distortion = layer_distortion
+        self.model = model  # model_signature() of the model it was compressed for (None: unchecked)
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raise :class:`RDKVError` unless ``model`` is one this cache decodes with: the signature it was compressed
+        for (when known), and in any case one layer per model layer with the model's KV heads, head size and
+        sliding windows, and one batch size."""
+        sig = model_signature(model)
+        if self.model is not None and self.model != sig:
+            diff = ", ".join(f"{k}: cache {self.model.get(k)!r}, model {sig.get(k)!r}"
+                             for k in sorted(set(sig) | set(self.model)) if self.model.get(k) != sig.get(k))
+            raise RDKVError(f"this cache was compressed for another model ({diff}): decode it with the model it was "
+                            "compressed for")
+        kinds = sig["layer_types"]
+        if len(self.layers) != sig["num_hidden_layers"]:
+            raise RDKVError(f"the cache has {len(self.layers)} layers, the model {sig['num_hidden_layers']}: decode it "
+                            "with the model it was compressed for")
+        for i, layer in enumerate(self.layers):
+            window = None if kinds is None else sig["sliding_window"] if kinds[i] == "sliding_attention" else None
+            if ((layer.heads, layer.head_dim) != (sig["num_key_value_heads"], sig["head_dim"]) or layer.batch !=
+                    self.layers[0].batch or (kinds is not None and layer.sliding_window != window)):
+                raise RDKVError(f"layer {i} of the cache (batch {layer.batch}, {layer.heads} KV heads of {layer.head_dim}, "
+                                f"window {layer.sliding_window}) does not fit the model ({sig['num_key_value_heads']} of "
+                                f"{sig['head_dim']}, window {window}) or the cache's batch {self.layers[0].batch}")
 
     @property
     def distortion(self) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import backend
+from .backend import backend, triton_kernel
 from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend
 from .records import LayerStats
 from .errors import RDKVError
@@ -78,11 +78,7 @@ def _window_sums(stats: LayerStats, q: torch.Tensor, q_pos: torch.Tensor, k_pos:
     ``rdkv.backend.backend`` picks triton (CUDA, or ``RDKV_BACKEND=triton``), else :func:`attend`."""
     valid = stats.valid[:, stats.start :]
     if backend(q.device) == "triton":
-        try:
-            from .kernels.token_weights import attention_sums
-        except ImportError as e:
-            raise RDKVError(f"RDKV_BACKEND=triton but the Triton token-weight kernel is unavailable: {e}") from e
-        return attention_sums(q, stats.key, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, valid)
+        return triton_kernel("token_weights")(q, stats.key, q_pos, k_pos, stats.scaling, stats.sliding_window, stats.softcap, valid)
     mask = valid[:, None, None, :].expand(-1, 1, q.shape[2], -1)
     # 64 queries at a time (fewer past 29k tokens): the window's temporaries stay those of a 64-query window,
     # so compress's extra memory stays within the fp16 cache's size (docs/benchmarks.md)

@@ -169,7 +169,7 @@ def test_layer_gains_are_each_layer_s_kl_per_unit_of_modelled_distortion():
     with rdkv.record(model) as rec:
         full = plain_prefill(model, ids[:, :72])  # prefix 0.75 of 96 tokens
     c = rdkv.compress(rec, 0.2, **SMALL)
-    _, tables, _ = rdkv.api.allocation_tables(rec, **SMALL)
+    _, tables, _ = rdkv.pipeline.allocation_tables(rec, **SMALL)
     d = [modelled_distortion([t], [v], [k]) for t, v, k in zip(tables, *cache_options(c, tables))]
     assert c.layer_distortion == pytest.approx(d, rel=1e-9) and c.distortion == pytest.approx(sum(d), rel=1e-9)
 

@@ -164,7 +164,7 @@ def test_window_sliding_weighs_only_the_sliding_layers_by_its_own_window():
     layer exactly as it was; asking for more than the record kept is refused."""
     from conftest import tiny_gemma3
 
-    from rdkv.api import allocation_tables
+    from rdkv.pipeline import allocation_tables
 
     model = tiny_gemma3()
     rec, _ = recorded(model, torch.randint(0, 96, (1, 60)), window=16)
@@ -300,7 +300,7 @@ def test_sinks_are_the_sequence_s_first_tokens_not_a_sliding_window_s_oldest():
 
     model = tiny_gemma3(0)
     rec, _ = recorded(model, torch.randint(0, 96, (1, 80), generator=torch.Generator().manual_seed(0)))
-    _, tables, _ = rdkv.api.allocation_tables(rec, "rdkv", sinks=4, recent=0, **SMALL)
+    _, tables, _ = rdkv.pipeline.allocation_tables(rec, "rdkv", sinks=4, recent=0, **SMALL)
     kinds = model.config.layer_types
     for t, kind in zip(tables, kinds):
         pinned = t.protect[0]  # [H, held]: tokens the allocator may not evict

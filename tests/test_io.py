@@ -127,7 +127,7 @@ def test_edited_metadata_fails_the_checksum(saved):
         load(saved)
 
 
-@pytest.mark.parametrize("version, msg", [("4", "newer rdkv: upgrade"), ("2", "older rdkv"), ("1", "older rdkv"),
+@pytest.mark.parametrize("version, msg", [("5", "newer rdkv: upgrade"), ("2", "older rdkv"), ("1", "older rdkv"),
                                           ("0", "version is unknown"),
                                           ("x", "version is unknown")])
 def test_other_format_versions_are_refused(saved, version, msg):

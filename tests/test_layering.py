@@ -59,3 +59,14 @@ def test_no_import_cycle_inside_the_package():
     for m in sorted(graph):
         if m not in state and m != "rdkv":  # the package's __init__ imports its public modules
             visit(m, [m])
+
+
+def test_the_triton_dispatch_table_names_real_kernels():
+    """rdkv.backend looks each step's Triton kernel up by name (so that no import cycle runs through the kernels,
+    which import what dispatches to them): every entry must name a function its kernels module defines."""
+    from rdkv.backend import TRITON_KERNELS
+
+    for step, (module, name) in TRITON_KERNELS.items():
+        tree = ast.parse((ROOT / "kernels" / f"{module}.py").read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert name in defined, (step, module, name)

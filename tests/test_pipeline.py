@@ -118,12 +118,15 @@ def test_readme_calls_warn_of_nothing(llama, caplog):
 
     logging.Logger.warning_once.cache_clear()  # transformers logs each deprecation once per process
     ids, q = torch.randint(0, 96, (1, 80)), torch.randint(0, 96, (1, 5))
+    rdkv.install(llama)
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
         warnings.simplefilter("error")
-        rec, _ = recorded(llama, ids)
-        cache = rdkv.compress(rec, 0.3, **SMALL)
+        prefill = llama(ids, use_cache=True, logits_to_keep=1)  # noqa: F841 (compress(model) needs it alive)
+        cache = rdkv.compress(llama, 0.3, **SMALL)
         out = llama.generate(torch.cat([ids, q], 1), **rdkv.cache_kwargs(cache), max_new_tokens=3, do_sample=False)
         cache.report()
+        rec, _ = recorded(llama, ids)
+        rdkv.compress(rec, 0.3, **SMALL)
     assert out.shape == (1, 88)
     assert not [r.getMessage() for r in caplog.records if "deprecat" in r.getMessage()]
 
@@ -226,7 +229,7 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 3))
     rec, out = recorded(model, ids)
     full = out.past_key_values
-    held, _ = rdkv.api._held(rec, rdkv.methods.resolve(model, "rdkv", SMALL))
+    held, _ = rdkv.pipeline.held_layers(rec, rdkv.methods.resolve(model, "rdkv", SMALL))
     for h, st in zip(held, [rec.layers[i] for i in range(len(held))]):  # no float32 copy of every layer while compress runs
         assert h.k.dtype == h.v.dtype == dtype and h.v.untyped_storage().data_ptr() == st.value.untyped_storage().data_ptr()
     cache = rdkv.compress(rec, 1.0, **SMALL)
@@ -240,8 +243,8 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
 def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
     """pool_weights=7 max-pools the attention sums: no token's price can fall, some must rise."""
     rec, _ = recorded(llama, torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(1)))
-    _, plain, _ = rdkv.api.allocation_tables(rec, **SMALL)
-    _, pooled, _ = rdkv.api.allocation_tables(rec, pool_weights=7, **SMALL)
+    _, plain, _ = rdkv.pipeline.allocation_tables(rec, **SMALL)
+    _, pooled, _ = rdkv.pipeline.allocation_tables(rec, pool_weights=7, **SMALL)
     for a, b in zip(plain, pooled):  # quantized widths (1..4): only the token's weight changes, not its error
         assert (b.dv[..., 1:] >= a.dv[..., 1:] * (1 - 1e-6)).all()
         assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()

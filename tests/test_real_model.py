@@ -26,7 +26,7 @@ def run():
             out["widths"] = torch.stack([layer.v_widths()[0] for layer in cache.layers])  # [layers, H, T]
     visible = rdkv.compress(rec, 0.25, visible=1.0)
     out["visible"] = (visible.nbytes, visible.fp16_bytes, torch.stack([layer.v_widths()[0] for layer in visible.layers]))
-    out["tables"] = rdkv.api.allocation_tables(rec)[1]
+    out["tables"] = rdkv.pipeline.allocation_tables(rec)[1]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0]
     return out
 

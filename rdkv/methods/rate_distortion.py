@@ -281,3 +281,19 @@ class RDKV(Method):
 
     def allocate(self, rec: Record, layers: list[HeldLayer], fp16: list[int], budget: float | None) -> Allocation:
         return self.solved(self.all_tables(rec, layers), fp16, budget)
+
+    def fold(self, k: torch.Tensor, v: torch.Tensor, sums: AttentionSums, scaling: float, seen: int, floor: float,
+             budgets: list[float]) -> Allocation:
+        """Widths for a fold (:mod:`rdkv.fold`): tokens generated after compression, ``k``, ``v`` [B, H, R, D] ending
+        at position ``seen - 1``, weighed by the decode queries' attention ``sums`` over zone C (cut to the folded
+        tokens after pooling) and the uniform prior ``floor`` alone (generated tokens have no recorded surprisal);
+        no sinks, recent tokens or joint eviction (they need the prefill); one knapsack per sequence of ``budgets``
+        bytes."""
+        R = k.shape[2]
+        sums = self.weights.pooled(sums)
+        sums.mass, sums.mass2 = sums.mass[..., :R], sums.mass2[..., :R]
+        present = torch.ones(k.shape[:3], dtype=torch.bool, device=k.device)
+        tables = layer_tables(k, v, present, sums, scaling, self.spec, seen, self.distortion, floor / R, self.eviction.to,
+                              self.weights.q_floor, protect=present & (not self.eviction.allowed))
+        v_opt, k_opt = allocate([tables], budgets, "layer", self.solve.passes)
+        return Allocation(v_opt, k_opt, [tables.perm])
