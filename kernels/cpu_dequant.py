@@ -18,14 +18,17 @@ import hashlib
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rdkv.cachedir import cache_dir, trusted as _trusted
 from rdkv.errors import RDKVError
 from rdkv.quant import WIDTHS as K_WIDTHS
 from rdkv.trizone import V_CLASSES
@@ -48,40 +51,106 @@ def _cpu() -> str:
     return "".join([x for x in lines if x.startswith(("model name", "flags"))][:2])
 
 
+BUILD_SECONDS = 30.0  # every compiler run of one build together; past it the torch path runs
+ELF = b"\x7fELF"
+
+
+def _compile(cmd: list[str], timeout: float) -> None:
+    """Run the compiler in a session of its own, killed with everything it started once ``timeout`` passes."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
+
+
+def _intact(so: Path) -> bool:
+    """Whether ``so`` is the current user's, writable by nobody else, and the file its build recorded: an ELF
+    image whose sha256 matches the one written beside it (a truncated, emptied or replaced file does not)."""
+    digest = so.with_suffix(".sha256")
+    if not (_trusted(so) and _trusted(digest)):
+        return False
+    data = so.read_bytes()
+    return data[:4] == ELF and hashlib.sha256(data).hexdigest() == digest.read_text().strip()
+
+
+def _build(cmd: list[str], so: Path, timeout: float) -> None:
+    """Compile to a private temporary name, check it, record its sha256 beside it, then rename it into place."""
+    fd, tmp = tempfile.mkstemp(dir=so.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    try:
+        _compile([*cmd, "-o", tmp], timeout)
+        data = Path(tmp).read_bytes()
+        if data[:4] != ELF:
+            raise OSError(f"the compiler wrote {len(data)} bytes that are not an ELF library")
+        os.chmod(tmp, 0o700)
+        digest = so.with_suffix(".sha256")
+        digest.write_text(hashlib.sha256(data).hexdigest())
+        digest.chmod(0o600)
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of cpu_dequant.c) with its functions' argument types set."""
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rdkv_keys.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, I64, I64, P, ctypes.c_int]
+    lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
+                                ctypes.c_int]
+    lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
+    return lib
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built library, or None (with a warning once) where no compiler builds it."""
+    """The built library, or None (with one warning) where it cannot be built or trusted.
+
+    It lives in rdkv's private cache directory (:func:`rdkv.cachedir.cache_dir`, ``$RDKV_CACHE_DIR``), is loaded
+    only if it is the current user's, writable by nobody else and matches the sha256 its build recorded (else it
+    is built again), and is built within :data:`BUILD_SECONDS` in all. A build that fails is remembered for that
+    source and compiler, so later processes take the torch path at once; the warning names the file to delete to
+    retry."""
     src = SOURCE.read_bytes()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rdkv"
     cc = shlex.split(os.environ.get("CC") or "cc")
-    errors = []
+    try:
+        cache = cache_dir()
+    except (RDKVError, OSError) as e:
+        warnings.warn(f"rdkv: CPU decode dequantizes in torch (slower): {e}", RuntimeWarning, stacklevel=2)
+        return None
+    failed = cache / f"cpu_dequant-{hashlib.sha256(src + repr(cc).encode()).hexdigest()[:16]}.failed"
+    if _trusted(failed):
+        warnings.warn(f"rdkv: CPU decode dequantizes in torch (slower): building kernels/cpu_dequant.c with {cc[0]} "
+                      f"failed before ({failed.read_text()[:500]}); delete {failed} to retry", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    deadline, errors = time.monotonic() + BUILD_SECONDS, []
     for flags in FLAGS:
         key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu())).encode()).hexdigest()[:16]
         so = cache / f"cpu_dequant-{key}.so"
-        if not so.exists():
+        if not _intact(so):
             try:
-                cache.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: no half-written file
-                    out = Path(tmp) / so.name
-                    subprocess.run([*cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", str(out)], check=True,
-                                   capture_output=True, text=True, timeout=120)
-                    out.replace(so)
-            except (OSError, subprocess.SubprocessError) as e:
+                _build([*cc, *flags, "-shared", "-fPIC", str(SOURCE)], so, deadline - time.monotonic())
+            except (OSError, subprocess.SubprocessError, ValueError) as e:
                 errors.append(f"{' '.join(cc + flags)}: {getattr(e, 'stderr', '') or e}")
+                if time.monotonic() >= deadline:
+                    errors.append(f"stopped after {BUILD_SECONDS:.0f} s")
+                    break
                 continue
         try:
-            lib = ctypes.CDLL(str(so))
+            return bind(ctypes.CDLL(str(so)))
         except OSError as e:  # e.g. a cache directory mounted noexec
             errors.append(f"loading {so}: {e}")
-            continue
-        P, I64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rdkv_keys.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, I64, I64, P, ctypes.c_int]
-        lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
-                                    ctypes.c_int]
-        lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
-        return lib
-    warnings.warn("rdkv: no C compiler built kernels/cpu_dequant.c, CPU decode dequantizes in torch (slower): "
-                  + "; ".join(errors)[:2000], RuntimeWarning, stacklevel=2)
+    text = "; ".join(errors)[:2000]
+    with open(os.open(failed, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
+    warnings.warn(f"rdkv: no C compiler built kernels/cpu_dequant.c, CPU decode dequantizes in torch (slower): {text}; "
+                  f"delete {failed} to retry", RuntimeWarning, stacklevel=2)
     return None
 
 

@@ -78,7 +78,10 @@ def compress(source: Prefill, budget: float | None = None, *, method: str | Meth
         else:
             alloc = m.allocate(rec, held, fp16, budget)
     except Infeasible as e:
-        raise BudgetInfeasible(f"budget {budget} is too small for this cache ({e}); raise the budget") from e
+        least = f"at least {budget * e.need / e.budget:.4g}" if e.budget > 0 else "a larger one"
+        raise BudgetInfeasible(f"budget {budget} is too small for this cache: the cheapest allocation needs {least} "
+                               f"of the fp16 bytes ({e.need:.0f} B where the budget gives {e.budget:.0f} B); raise "
+                               "the budget") from e
     layers = [pack_held(h, v, k, perm, m.spec, dtype16(rec.model)) for h, v, k, perm in zip(held, alloc.v, alloc.k, alloc.perm)]
     cache = TriZoneCache(layers, fp16_bytes=int(sum(fp16)), budget=budget, method=m.name or type(m).__name__,
                          layer_distortion=alloc.layer_distortion, model=model_signature(rec.model))

@@ -17,15 +17,19 @@ file is read back with safetensors itself, which validates the header, offsets a
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import stat
 import uuid
 from dataclasses import asdict
 from typing import IO
 
 import torch
-from safetensors import SafetensorError, safe_open
+import safetensors.torch
+from safetensors import SafetensorError
 
 from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
@@ -77,11 +81,39 @@ def _write(f: IO[bytes], tensors: dict[str, torch.Tensor], meta: dict[str, str])
         f.write(_bytes(tensors[n]))
 
 
+_LEFTOVER = re.compile(r"\..+\.(\d+)\.[0-9a-f]{32}\.tmp")
+
+
+def _remove_leftovers(folder: str) -> None:
+    """Remove the temporary files of saves into ``folder`` whose process is gone (killed mid-save)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = _LEFTOVER.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+        except (PermissionError, OverflowError):  # another user's live process, or no pid at all
+            continue
+
+
 def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     """Write ``cache`` (as ``rdkv.compress`` returned it, or after decoding on it) to ``path``.
 
-    The file appears atomically: it is written to a temporary file in the same folder and renamed over
-    ``path``, so a crash or a full disk never leaves a half-written cache under the final name.
+    The file appears atomically: it is written to a temporary file in the same folder (named after the writing
+    process) and renamed over ``path``, so a crash or a full disk never leaves a half-written cache under the final
+    name; the temporary files of saves killed before their rename are removed by the next save into that folder. A
+    new file is created 0600 (a cache holds what its prompt said), one saved over keeps its mode.
+
+    Args:
+        cache: the :class:`TriZoneCache` to write.
+        path: the file to write.
     """
     if not isinstance(cache, TriZoneCache) or not all(isinstance(x, TriZoneLayer) for x in cache.layers):
         raise RDKVError(f"rdkv.save takes the TriZoneCache rdkv.compress returned, got {type(cache).__name__}")
@@ -109,11 +141,17 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     meta["sha256"] = _checksum(tensors, meta)
     path = os.fspath(path)
     folder, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{base}.{uuid.uuid4().hex}.tmp")
+    _remove_leftovers(folder)
     try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:  # umask applies
+        mode = stat.S_IMODE(os.stat(path).st_mode)  # a file saved over keeps its mode
+    except OSError:
+        mode = 0o600  # a KV cache holds what its prompt said: readable by its owner only
+    tmp = os.path.join(folder, f".{base}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             _write(f, tensors, meta)
             f.flush()
+            os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -146,9 +184,15 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
                 else "does not exist")
         raise RDKVError(f"cannot load a cache from {path!r}: it {what}; pass the file rdkv.save wrote")
     try:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            meta, names = f.metadata() or {}, set(f.keys())
-    except (SafetensorError, OSError) as e:
+        # one read, then copies: a tensor mapped from the file would change, or fault the process (SIGBUS), when
+        # the file is rewritten or truncated after the checksum was verified
+        with open(path, "rb") as f:
+            raw = f.read()
+        tensors = safetensors.torch.load(raw)
+        meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")]).get("__metadata__") or {}
+        names = set(tensors)
+        del raw
+    except (SafetensorError, OSError, ValueError, AttributeError) as e:
         raise CorruptFile(f"{path!r} is not a complete safetensors file ({e}); it is truncated or not an rdkv "
                         "cache: save the cache again with rdkv.save") from e
     if meta.get("format") != FORMAT:
@@ -177,8 +221,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
         missing, extra = sorted(want - names), sorted(names - want)
         raise CorruptFile(f"{path!r} does not hold the tensors its metadata lists (missing {missing[:5]}"
                         f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}); the file is damaged, save it again")
-    with safe_open(path, framework="pt", device="cpu") as f:
-        tensors = {n: f.get_tensor(n) for n in sorted(names)}
     if _checksum(tensors, meta) != meta.get("sha256"):
         raise CorruptFile(f"{path!r} is corrupted: its sha256 checksum does not match its contents; "
                         "save the cache again from the original (or compress the prefix again)")
@@ -224,13 +266,16 @@ def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZone
             layer.c_start = lay["c_start"]
             _number("c_start", layer.c_start, end if layer.folds else lay["prefix_len"],
                     POSITION_LIMIT - t["kc"].shape[2])
-            if layer.folds and layer.c_start != end:
-                raise ValueError(f"zone C starts at {layer.c_start}, not where the last fold ends ({end})")
+            if layer.c_start != end and (layer.folds or layer.sliding_window is None):
+                # only a sliding-window layer drops folds (those no query can see any more)
+                raise ValueError(f"zone C starts at {layer.c_start}, not where what precedes it ends ({end})")
         except (RDKVError, KeyError, TypeError, ValueError) as e:
             raise RDKVError(f"layer {i}: {e}") from e
         out.append(layer)
-    if any(x.batch != out[0].batch for x in out):
-        raise ValueError("the layers hold different batch sizes")
+    for name, of in (("batch sizes", lambda x: x.batch), ("prefix lengths", lambda x: x.prefix_len),
+                     ("lengths", lambda x: x.get_seq_length())):
+        if len({of(x) for x in out}) > 1:
+            raise ValueError(f"the layers hold different {name}")
     distortion = top["layer_distortion"]
     if distortion is not None:
         if not isinstance(distortion, list) or len(distortion) != len(out):

@@ -23,6 +23,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .attention import install
+from .cachedir import cache_dir
 from .errors import RDKVError
 
 log = logging.getLogger(__name__)
@@ -54,11 +55,6 @@ class ModelPackageMissing(ModuleNotFoundError):
 
 class TokenizerSplitsCharacters(RDKVError):
     """A converted tokenizer that round-trips text but cuts it into single characters (its merges lost)."""
-
-
-def cache_dir() -> Path:
-    """Root of converted models: $RDKV_CACHE_DIR or ~/.cache/rdkv."""
-    return Path(os.environ.get("RDKV_CACHE_DIR") or Path.home() / ".cache" / "rdkv").expanduser()
 
 
 def converted_dir(name: str) -> Path:

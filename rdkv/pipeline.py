@@ -3,7 +3,9 @@ hold each layer as it is priced and packed, solve for an error target, pack, fol
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from transformers.cache_utils import Cache
@@ -44,9 +46,13 @@ def method_for(source: Prefill, method: str | Method, options: dict) -> Method:
 
 
 def check_budget(budget) -> float:
-    """``budget`` as a float in (0, 1], or an error that says what a budget is."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    """``budget`` (a Python, numpy or 0-d tensor real number) as a float in (0, 1], or an error that says what a
+    budget is."""
+    if isinstance(budget, torch.Tensor) and budget.dim() == 0 and not budget.is_complex() and budget.dtype != torch.bool:
+        budget = budget.item()
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, numbers.Real):
         raise RDKVError(f"budget must be a number in (0, 1] (a fraction of the fp16 cache bytes), got {budget!r}")
+    budget = float(budget)
     if math.isnan(budget) or not 0 < budget <= 1:
         raise RDKVError(f"budget must be in (0, 1] (a fraction of the fp16 cache bytes), got {budget}")
     return float(budget)

@@ -53,11 +53,19 @@ class Record:
     on_layer: Callable[[int], None] | None = field(default=None, repr=False)
     _surprisal: torch.Tensor | None = field(default=None, repr=False)
     _versions: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _head: tuple | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Stop recording; remember the cache tensors' versions so an in-place change is caught later."""
+        """Stop recording; remember the cache tensors' versions and the output head's state, so an in-place change
+        of either is caught when compress reads them."""
         self.closed = True
         self._versions = {i: (st.key._version, st.value._version) for i, st in self.layers.items()}
+        self._head = self._head_state()
+
+    def _head_state(self) -> tuple | None:
+        head = self.model.get_output_embeddings()
+        w = getattr(head, "weight", None)
+        return None if w is None else (w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
 
     def check(self) -> None:
         """Raise unless the record is complete and its cache tensors are as the prefill left them."""
@@ -79,6 +87,9 @@ class Record:
         recorded final hidden states through the model's output head, ``chunk`` positions at a time."""
         if self._surprisal is not None:
             return self._surprisal
+        if self._head_state() != self._head:
+            raise RDKVError("the model's output head changed after the prefill (its weights, dtype or device), and the "
+                            "surprisal prior is computed from it: compress before changing the model, or prefill again")
         head, ids, h = self.model.get_output_embeddings(), self.ids, self.hidden
         if h is None or ids is None or head is None or h.shape[1] != ids.shape[1]:
             raise RDKVError("no token record for this prefill (it needs input_ids, not inputs_embeds, and a model "

@@ -270,6 +270,10 @@ class TriZoneLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != self.batch and key_states.shape[0] % self.batch == 0:
+            raise RDKVError(f"the batch grew from {self.batch} to {key_states.shape[0]} sequences, as beam search and "
+                            "num_return_sequences > 1 expand it: a compressed cache decodes the batch it was compressed "
+                            "from; use greedy decoding or sampling with one sequence per prompt")
         if key_states.shape[0] != self.batch or key_states.shape[1] != self.heads:
             raise RDKVError(
                 f"new keys have batch/heads {tuple(key_states.shape[:2])}, the compressed cache holds "
@@ -297,6 +301,10 @@ class TriZoneLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         raise RDKVError("a compressed cache cannot be reset; prefill again and call rdkv.compress")
+
+    def crop(self, max_length: int) -> None:
+        raise RDKVError("a compressed cache cannot be cropped (evicted tokens cannot come back); prefill the text to "
+                        "keep again and call rdkv.compress")
 
     # --- accounting ---------------------------------------------------------------------------------
     @property

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from .mckp import cost, fill_slack, lagrangian
+from .mckp import Infeasible, cost, fill_slack, lagrangian
 
 
 def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes."""
-    budget -= sum(t.fixed for t in tables)
+    fixed = sum(t.fixed for t in tables)
+    budget -= fixed
     dev = tables[0].dv.device
     # a protected token may not be evicted: its eviction is priced out of reach
     dv = [t.dv[b].masked_fill(_eviction_of(t.protect[b], t.dv.shape[-1]), float("inf"))[t.present[b]] for t in tables]
@@ -35,7 +36,10 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         R = torch.cat([torch.cat(rv), torch.cat(rk)])
         # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -1.7..+4.6%
         # at 21-70x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
-        choice = lagrangian(D, R, budget, swap=False)
+        try:
+            choice = lagrangian(D, R, budget, swap=False)
+        except Infeasible as e:  # stated against the whole budget, so that a caller can scale it
+            raise Infeasible(str(e), e.need + fixed, e.budget + fixed) from e
         v_choice = choice[:nv].split([len(d) for d in dv])
         v_widths = _widths(tables, b, v_choice)
         n_kept = [(full > 0).sum(-1) for full in v_widths]

@@ -39,7 +39,11 @@ def _prepare(D: Array, R: Array) -> tuple[torch.Tensor, torch.Tensor, Callable[[
 
 
 class Infeasible(ValueError):
-    """Not even the cheapest allowed option of every unit fits the budget."""
+    """Not even the cheapest allowed option of every unit fits the budget: ``need`` bytes against ``budget``."""
+
+    def __init__(self, message: str, need: float = math.nan, budget: float = math.nan):
+        super().__init__(message)
+        self.need, self.budget = need, budget
 
 
 def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
@@ -50,7 +54,7 @@ def _check_budget(D: torch.Tensor, R: torch.Tensor, budget: float) -> float:
     min_cost = torch.where(D.isfinite(), R, math.inf).amin(1).sum(dtype=torch.float64).item()
     if min_cost > budget:
         raise Infeasible(f"infeasible: the minimum achievable cost is {min_cost:.12g} bytes but the budget is "
-                         f"{budget:.12g}; raise the budget to at least {min_cost:.12g}")
+                         f"{budget:.12g}; raise the budget to at least {min_cost:.12g}", min_cost, budget)
     return budget
 
 

@@ -1,8 +1,18 @@
+import os
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 torch.set_grad_enabled(False)
+
+if os.environ.get("RDKV_TEST_C_LIBRARY"):  # a sanitizer build of kernels/cpu_dequant.c (test_cpu_dequant.py)
+    import ctypes
+
+    from rdkv.kernels import cpu_dequant
+
+    _lib = cpu_dequant.bind(ctypes.CDLL(os.environ["RDKV_TEST_C_LIBRARY"]))
+    cpu_dequant.library = lambda: _lib
 
 
 def tiny_llama(seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:

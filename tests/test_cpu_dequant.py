@@ -1,7 +1,13 @@
 """The C products of the CPU decode path (kernels/cpu_dequant.c): how the library is built, its launchers'
 checks, that its results do not depend on the thread count and that the path calls it. That it computes what
 the torch path and the oracle compute is tested in test_cpu_decode.py, which runs its grid both ways."""
+import hashlib
 import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,24 +24,120 @@ needs_cc = pytest.mark.skipif(cpu_dequant.library() is None, reason="no C compil
 @needs_cc
 def test_built_once_into_the_cache_directory_then_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("RDKV_CACHE_DIR", raising=False)
     assert cpu_dequant.library.__wrapped__() is not None
     built = list((tmp_path / "rdkv").glob("cpu_dequant-*.so"))
-    assert len(built) == 1 and not list((tmp_path / "rdkv").glob("tmp*"))  # no build directory left behind
+    assert len(built) == 1 and not list((tmp_path / "rdkv").glob(".build-*"))  # no temporary left behind
     stamp = built[0].stat().st_mtime_ns
 
     def compile_again(*args, **kwargs):
         raise AssertionError("a second load compiled again")
 
-    monkeypatch.setattr(cpu_dequant.subprocess, "run", compile_again)
+    monkeypatch.setattr(cpu_dequant, "_compile", compile_again)
     assert cpu_dequant.library.__wrapped__() is not None and built[0].stat().st_mtime_ns == stamp
 
 
 def test_no_compiler_gives_a_warning_and_the_torch_path(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("RDKV_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.warns(RuntimeWarning, match="dequantizes in torch"):
         assert cpu_dequant.library.__wrapped__() is None
-    assert not list((tmp_path / "rdkv").glob("*.so"))
+    assert not list((tmp_path / "c").glob("*.so"))
+
+
+PLANT = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen("%s", "w"); if (f) fclose(f); }
+"""
+
+
+def _built(tmp_path) -> Path:
+    (so,) = (tmp_path / "c").glob("cpu_dequant-*.so")
+    return so
+
+
+@needs_cc
+@pytest.mark.parametrize("attack", ["group-writable", "another user's", "truncated", "zero bytes", "replaced"])
+def test_a_planted_or_damaged_library_is_rebuilt_never_loaded(monkeypatch, tmp_path, attack):
+    """A library in the cache directory is loaded only if it is the current user's, writable by nobody else and the
+    file its build recorded; anything else is rebuilt in its place, and a planted library's constructor never runs."""
+    monkeypatch.setenv("RDKV_CACHE_DIR", str(tmp_path / "c"))
+    # built by another process, as in use: this one must not have the library mapped while the test rewrites it
+    subprocess.run([sys.executable, "-c", "from rdkv.kernels import cpu_dequant; assert cpu_dequant.library()"],
+                   check=True)
+    so = _built(tmp_path)
+    good = so.read_bytes()
+    so.unlink()  # each attack writes a new file under the name
+    marker = tmp_path / "constructor-ran"
+    (tmp_path / "plant.c").write_text(PLANT % marker)
+    subprocess.run(["cc", "-shared", "-fPIC", str(tmp_path / "plant.c"), "-o", str(tmp_path / "plant.so")], check=True)
+    if attack in ("group-writable", "another user's", "replaced"):
+        so.write_bytes((tmp_path / "plant.so").read_bytes())
+        so.chmod(0o700)
+    if attack == "group-writable":
+        so.chmod(0o777)
+        (so.with_suffix(".sha256")).write_text(hashlib.sha256(so.read_bytes()).hexdigest())
+    elif attack == "another user's":
+        if os.getuid() != 0:
+            pytest.skip("changing a file's owner needs root")
+        os.chown(so, 4242, 4242)
+        (so.with_suffix(".sha256")).write_text(hashlib.sha256(so.read_bytes()).hexdigest())
+    elif attack == "truncated":
+        so.write_bytes(good[: len(good) // 2])
+    elif attack == "zero bytes":
+        so.write_bytes(b"")
+    assert cpu_dequant.library.__wrapped__() is not None
+    assert not marker.exists(), "the planted library was loaded"
+    assert so.read_bytes() == good and so.stat().st_uid == os.getuid() and so.stat().st_mode & 0o777 == 0o700
+
+
+@needs_cc
+def test_cache_directory_and_library_are_private_whatever_the_umask(monkeypatch, tmp_path):
+    monkeypatch.setenv("RDKV_CACHE_DIR", str(tmp_path / "c"))
+    old = os.umask(0)
+    try:
+        assert cpu_dequant.library.__wrapped__() is not None
+    finally:
+        os.umask(old)
+    assert (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+    assert _built(tmp_path).stat().st_mode & 0o777 == 0o700
+    (tmp_path / "c").chmod(0o777)  # made world-writable since: made private again before use
+    assert cpu_dequant.library.__wrapped__() is not None and (tmp_path / "c").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_cache_directory_of_another_user_is_not_used(monkeypatch, tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("changing a directory's owner needs root")
+    (tmp_path / "c").mkdir()
+    os.chown(tmp_path / "c", 4242, 4242)
+    monkeypatch.setenv("RDKV_CACHE_DIR", str(tmp_path / "c"))
+    with pytest.warns(RuntimeWarning, match="belongs to another user"):
+        assert cpu_dequant.library.__wrapped__() is None
+    assert not list((tmp_path / "c").iterdir())
+
+
+def test_a_hanging_compiler_falls_back_in_time_once(monkeypatch, tmp_path):
+    """A compiler that never returns (with a child of its own) is killed at the build's deadline; the failure is
+    remembered, so the next process falls back at once, and the warning says how to retry."""
+    cc = tmp_path / "hang"
+    cc.write_text("#!/bin/sh\nsleep 1000 &\nsleep 1000\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("RDKV_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_dequant, "BUILD_SECONDS", 2.0)
+    t = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="stopped after 2 s.*delete .*failed to retry"):
+        assert cpu_dequant.library.__wrapped__() is None
+    assert time.monotonic() - t < 10
+    t = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="failed before.*delete .*to retry"):
+        assert cpu_dequant.library.__wrapped__() is None
+    assert time.monotonic() - t < 1
+    (failed,) = (tmp_path / "c").glob("*.failed")
+    failed.unlink()
+    cc.write_text("#!/bin/sh\nexit 1\n")
+    with pytest.warns(RuntimeWarning, match="no C compiler built"):  # retried once the memo is gone
+        assert cpu_dequant.library.__wrapped__() is None
 
 
 @needs_cc
@@ -108,3 +210,52 @@ def test_the_cpu_path_scores_and_attends_in_c_where_it_builds(monkeypatch):
     layer = build(seed=3, B=1, H=2, T=300, D=64, n_c=2)
     cpu_decode.trizone_attention(torch.randn(1, 4, 1, 64), layer, 0.125)
     assert calls == ["scores", "attend"]
+
+
+SANITIZED = ["tests/test_untrusted_file.py", "tests/test_cpu_dequant.py::test_launchers_reject_what_does_not_fit",
+             "tests/test_cpu_dequant.py::test_the_result_does_not_depend_on_the_thread_count"] + [
+    f"tests/test_cpu_decode.py::{name}[C]" for name in (
+        "test_every_mix_of_width_classes_and_unsorted_k_blocks", "test_ragged_and_empty_streams",
+        "test_sliding_windows_masks_and_softcap", "test_folds_and_other_pack_specs")]
+OVERFLOW = """
+import ctypes, numpy as np, os
+from rdkv.kernels import cpu_dequant
+lib = cpu_dequant.bind(ctypes.CDLL(os.environ["RDKV_TEST_C_LIBRARY"]))
+codes = np.zeros((4, 8), np.uint8)  # 4 rows of 16 channels at 4 bits, and a pair that reads 8 rows from row 2
+P, I = ctypes.c_void_p * 5, ctypes.c_int64
+one = lambda v: np.array([v], np.int64)
+width, row0, n, group0 = one(2), one(2), one(8), one(0)
+scale = np.ones((4, 16), np.float16)
+out = np.zeros((1, 16, 8), np.float32)
+lib.rdkv_keys(P(None, None, codes.ctypes.data, None, None), P(None, None, scale.ctypes.data, None, None),
+              P(None, None, scale.ctypes.data, None, None), 0, 16, 128, width.ctypes.data, row0.ctypes.data,
+              n.ctypes.data, group0.ctypes.data, 1, 8, out.ctypes.data, 1)
+"""
+
+
+def test_the_c_products_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """cpu_dequant.c built with AddressSanitizer and UndefinedBehaviorSanitizer runs the crafted and fuzzed cache
+    files and the C path's oracle grid without a report; a deliberate read past a buffer shows the sanitizer is
+    live. Skipped where the compiler or its runtimes lack them."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    so = tmp_path / "sanitized.so"
+    flags = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+             "-fopenmp", "-shared", "-fPIC"]
+    try:
+        built = subprocess.run([*cc, *flags, str(cpu_dequant.SOURCE), "-o", str(so)], capture_output=True, timeout=120)
+        runtimes = [subprocess.run([*cc, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+                    for name in ("libasan.so", "libubsan.so")]
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"no C compiler: {e}")
+    if built.returncode or not all(os.path.isabs(r) and os.path.exists(r) for r in runtimes):
+        pytest.skip(f"{cc[0]} builds no sanitizer runtime here: {built.stderr[-300:]!r}")
+    env = {**os.environ, "LD_PRELOAD": ":".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0",
+           "UBSAN_OPTIONS": "print_stacktrace=1", "RDKV_TEST_C_LIBRARY": str(so)}
+    root = Path(__file__).resolve().parents[1]
+    live = subprocess.run([sys.executable, "-c", OVERFLOW], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert live.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in live.stderr, live.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SANITIZED], env=env,
+                          cwd=root, capture_output=True, text=True, timeout=900)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0 and "Sanitizer" not in report and "runtime error" not in report, report[-4000:]

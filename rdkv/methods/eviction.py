@@ -27,7 +27,8 @@ def keep_counts(layers: list[HeldLayer], fp16: list[int], budget: float, spec) -
     held = [h.present[:, 0].sum(-1).tolist() for h in layers]  # tokens per head, one count per sequence
     fixed = sum(fixed_bytes(h.k.shape[1], h.k.shape[-1], spec) for h in layers)
     if any(budget * f < fixed for f in fp16):
-        raise Infeasible(f"the per-head metadata alone takes {fixed} bytes")
+        f = min(fp16)
+        raise Infeasible(f"the per-head metadata alone takes {fixed} bytes", fixed, budget * f)
     slots = [sum(h.present.shape[1] * n[b] for h, n in zip(layers, held)) for b in range(len(fp16))]
     share = [(budget * f - fixed) / (per_token * s) for f, s in zip(fp16, slots)]
     return [[int(share[b] * n[b]) for b in range(len(fp16))] for n in held]
