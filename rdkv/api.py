@@ -9,7 +9,8 @@ from .distortion import Calibration
 from .errors import BudgetInfeasible, RDKVError
 from .fold import FoldPolicy
 from .methods import AUTO, Allocation, Method, resolve
-from .pipeline import Prefill, budget_for_error, check_budget, checked, dtype16, held_layers, pack_held, rdkv_method, set_fold
+from .pipeline import (Prefill, budget_for_error, check_budget, checked, dtype16, held_layers, pack_held, rdkv_method,
+                       set_fold, weigh)
 from .solvers.mckp import Infeasible
 from .trizone import TriZoneCache, model_signature
 
@@ -69,6 +70,7 @@ def compress(source: Prefill, budget: float | None = None, *, method: str | Meth
         raise RDKVError("calibration= is for error=; with a byte budget it has nothing to do")
     elif budget is not None or not m.fixed_rate:
         budget = check_budget(budget)
+    weigh(rec, m)
     held, fp16 = held_layers(rec, m)
     try:
         if error is not None:

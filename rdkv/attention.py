@@ -329,6 +329,9 @@ def rdkv_attention(
     """transformers attention interface: (out [B, q, Hq, D], None)."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    repeat = getattr(module, "_rdkv_reconstruct", None)  # the context repeated after a recorded prefill
+    if repeat is not None:
+        return repeat(module, query, key, value, scaling, sliding_window, softcap).transpose(1, 2), None
     if isinstance(key, TriZoneLayer):
         layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
         last = layers is None or module.layer_idx >= layers - 1

@@ -16,6 +16,7 @@ from .distortion import Calibration, LayerTables, modelled_distortion
 from .errors import RDKVError
 from .fold import FoldPolicy
 from .methods import AUTO, RDKV, HeldLayer, Method, Solve, resolve
+from .reconstruct import reconstruct
 from .records import Record
 from .rope import rope_table, rotate
 from .solvers.mckp import Infeasible
@@ -37,6 +38,12 @@ def checked(source: Prefill) -> Record:
                         f"{type(source).__name__}: `model(ids, use_cache=True)`, then rdkv.compress(model, budget)")
     source.check()
     return source
+
+
+def weigh(rec: Record, method: Method) -> None:
+    """Run what ``method``'s weights need beyond the record itself: the reconstruction pass (:mod:`rdkv.reconstruct`)."""
+    if isinstance(method, RDKV) and method.weights.form == "reconstruct":
+        reconstruct(rec)
 
 
 def method_for(source: Prefill, method: str | Method, options: dict) -> Method:
@@ -112,6 +119,7 @@ def allocation_tables(source: Prefill, method: str | Method = AUTO,
     :func:`rdkv.solvers.allocate`."""
     rec = checked(source)
     m = rdkv_method(method_for(rec, method, options), "allocation_tables")
+    weigh(rec, m)
     held, fp16 = held_layers(rec, m)
     return m, m.all_tables(rec, held), fp16
 

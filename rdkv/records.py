@@ -28,6 +28,8 @@ class LayerStats:
     scaling: float
     sliding_window: int | None
     softcap: float | None
+    # sums of the context repeated after the prefill over the keys held (rdkv.reconstruct), once computed
+    recon: AttentionSums | None = None
 
     @property
     def start(self) -> int:

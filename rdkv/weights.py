@@ -1,9 +1,11 @@
 """Weight estimators: how much each V token and each K channel matters to attention.
 
-Both forms read the sums streamed during prefill (:mod:`rdkv.attention`); neither ever forms a T x T
-tensor. ``"all"`` is the paper's form (every prefill query), ``"window"`` re-attends only the last W
-queries, which does not favour early tokens just because more queries can see them (it does under-weight
-the last W tokens, which only some window queries see: :func:`per_visible` corrects for that).
+The forms read attention sums over a set of queries; none ever forms a T x T tensor. ``"all"`` is the paper's
+form (every prefill query, streamed during prefill: :mod:`rdkv.attention`), ``"window"`` re-attends only the last
+W queries, which does not favour early tokens just because more queries can see them (it does under-weight the
+last W tokens, which only some window queries see: :func:`per_visible` corrects for that), ``"reconstruct"``
+takes the queries of the context repeated after the prefill (:mod:`rdkv.reconstruct`): what a model needs to
+reproduce its context, without the question.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend
 from .records import LayerStats
 from .errors import RDKVError
 
-FORMS = ("all", "window")
+FORMS = ("all", "window", "reconstruct")
 
 
 def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: int | None = None) -> AttentionSums:
@@ -26,6 +28,13 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: i
         if s is None:
             raise RDKVError("weights='all' needs every prefill query: record with rdkv.record(model, all_queries=True)")
         return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
+    if form == "reconstruct":
+        s = stats.recon
+        if s is None:
+            raise RDKVError("weights='reconstruct' needs the record's reconstruction pass (rdkv.reconstruct.reconstruct), "
+                            "which rdkv.compress runs")
+        cut = start - stats.start
+        return AttentionSums(s.mass[..., cut:], s.mass2[..., cut:], s.q2, s.nq)
     if form == "window":
         q, q_pos = window_queries(stats, window)
         k_pos = torch.arange(stats.start, stats.seen, device=q.device)

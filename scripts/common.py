@@ -67,6 +67,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "rdkv-evict-max": ("rdkv", {"evict_to": "max"}),
     "rdkv-evict-kept": ("rdkv", {"evict_to": "kept"}),
     "rdkv-joint": ("rdkv", {"evict_jointly": True}),  # evicting a set costs its cross terms too
+    # weighed by the context repeated after the prefill (KVzip's reconstruction queries, rdkv.reconstruct)
+    "rdkv-recon": ("rdkv", {"weights": "reconstruct"}),
+    "rdkv-recon-noprior": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0}),
 }
 NAMES = (*rdkv.methods.NAMES, *VARIANTS)
 PARTS = {"spec", "prior", "eviction", "solve"}

@@ -1,0 +1,61 @@
+"""Reconstruction weights (after KVzip, Kim et al. 2025): what a model needs of its cache to repeat its context.
+
+Query-agnostic compression has no question to weigh tokens by, and the prefill's own last queries weigh what the
+end of the prompt looked at, not what a later question will ask for. KVzip asks the model to reproduce the
+context instead: after the prefill, the context's own tokens are fed again through the cache, teacher-forced, and
+each cached token is weighed by the attention the repetition pays it. A token the model can continue without
+looking back (predictable prose) draws little; one it must copy (a needle's digits, a name, a number) draws a
+lot. rdkv feeds the context again with no instruction before it: a repeated sequence is what induction heads
+copy from, and no tokenizer or chat template is needed.
+
+The pass is a second forward over the context's T tokens with the prefill's keys in front (positions T..2T-1),
+about the cost of one more prefill plus its attention over 2T keys; it runs through rdkv's chunked exact
+attention (:func:`rdkv.dense.attend`), so it never forms a T x T tensor. Its sums over the T repetition queries
+(mass, mass2 and the squared query norms, per KV head) weigh tokens and K channels as the prefill's window does
+(``rdkv.methods.Weights(form="reconstruct")``), priced by the same distortion model. They are computed once per
+record, on the first compress that asks for them, and kept with the record.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_modules
+from .dense import AttentionSums, attend
+from .errors import RDKVError
+from .records import Record
+
+
+@torch.no_grad()
+def reconstruct(rec: Record) -> None:
+    """Set each layer's ``recon``: the attention sums of the repeated context over the keys the record holds
+    (positions ``start`` to ``seen - 1``), once per record (see the module docstring)."""
+    if all(st.recon is not None for st in rec.layers.values()):
+        return
+    if rec.ids is None or rec.ids.shape[1] != next(iter(rec.layers.values())).seen:
+        raise RDKVError("reconstruction weights repeat the prefill's tokens: the record needs them (prefill with "
+                        "input_ids, not inputs_embeds)")
+    model, ids = rec.model, rec.ids
+    B, T = ids.shape
+    valid = next(iter(rec.layers.values())).valid
+    if not bool(valid.all()):
+        raise RDKVError("reconstruction weights need an unpadded batch: compress padded prompts one at a time")
+
+    def attend_layer(module, query, key, value, scaling, window, softcap) -> torch.Tensor:
+        st = rec.layers[module.layer_idx]
+        k_pos = torch.arange(st.start, T + key.shape[2], device=query.device)
+        q_pos = torch.arange(T, T + query.shape[2], device=query.device)
+        o, sums = attend(query, torch.cat([st.key, key.to(st.key.dtype)], 2), torch.cat([st.value, value.to(st.value.dtype)], 2),
+                         q_pos, k_pos, scaling, window, softcap)
+        held = T - st.start
+        st.recon = AttentionSums(sums.mass[..., :held], sums.mass2[..., :held], sums.q2, sums.nq)
+        return o.to(query.dtype)
+
+    mods = attention_modules(model)
+    for m in mods:
+        m._rdkv_reconstruct = attend_layer
+    try:
+        pos = torch.arange(T, 2 * T, device=ids.device).expand(B, T)
+        model(ids, position_ids=pos, use_cache=False, logits_to_keep=1)  # no cache: the record's keys come first
+    finally:
+        for m in mods:
+            del m._rdkv_reconstruct

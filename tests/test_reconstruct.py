@@ -1,0 +1,65 @@
+"""Reconstruction weights (rdkv.reconstruct): the sums of the context repeated after the prefill, checked against
+a record of that repetition run as a continued prefill through transformers' own cache, and used by compress."""
+import pytest
+import torch
+
+import rdkv
+from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
+from rdkv.methods import RDKV, Weights
+from rdkv.reconstruct import reconstruct
+
+RECON = RDKV(weights=Weights(form="reconstruct"))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_sums_are_the_repetition_queries_sums(make):
+    """Oracle: record the context and then the same tokens again, continued through the DynamicCache with every
+    query's sums streamed; minus the context's own sums, that is what the repetition paid each context key.
+    Gemma 3's sliding-window layers (window 16) see only their window."""
+    model = make()
+    ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(1))
+    rec, _ = recorded(model, ids)
+    reconstruct(rec)
+    first, out = recorded(model, ids, all_queries=True)
+    with rdkv.record(model, all_queries=True) as both:
+        out = model(ids, use_cache=True)
+        model(ids, **rdkv.cache_kwargs(out.past_key_values), use_cache=True)
+    T = ids.shape[1]
+    for i, st in rec.layers.items():
+        cut = st.start
+        want_mass = both.layers[i].sums.mass[..., cut:T] - first.layers[i].sums.mass[..., cut:]
+        want_mass2 = both.layers[i].sums.mass2[..., cut:T] - first.layers[i].sums.mass2[..., cut:]
+        torch.testing.assert_close(st.recon.mass, want_mass, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(st.recon.mass2, want_mass2, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(st.recon.q2, both.layers[i].sums.q2 - first.layers[i].sums.q2, rtol=1e-4, atol=1e-3)
+        assert st.recon.mass.sum() > 0
+
+
+def test_compress_runs_the_pass_once_and_weighs_by_it():
+    """The first compress with reconstruction weights runs the pass; later ones reuse it; the widths follow the
+    sums (they differ from the window's); the cache is within budget and decodes."""
+    model = tiny_llama(2)
+    ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(2))
+    rec, _ = recorded(model, ids)
+    a = rdkv.compress(rec, 0.25, method=RECON, **SMALL)
+    sums = rec.layers[0].recon
+    b = rdkv.compress(rec, 0.25, method=RECON, **SMALL)
+    assert rec.layers[0].recon is sums
+    assert torch.equal(a.layers[0].v_widths(), b.layers[0].v_widths())
+    window = rdkv.compress(rec, 0.25, method="rdkv", **SMALL)
+    assert not all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(a.layers, window.layers))
+    assert a.nbytes <= 0.25 * a.fp16_bytes
+    assert torch.isfinite(model(torch.tensor([[3]]), **rdkv.cache_kwargs(a)).logits).all()
+
+
+def test_the_card_call_takes_reconstruction_weights_and_padding_is_refused():
+    model = rdkv.install(tiny_llama(2))
+    ids = torch.randint(0, 96, (1, 90))
+    out = model(ids, use_cache=True)
+    assert rdkv.compress(model, 0.3, weights="reconstruct", **SMALL).nbytes > 0
+    mask = torch.ones(2, 90, dtype=torch.long)
+    mask[1, :5] = 0
+    out = model(torch.randint(0, 96, (2, 90)), attention_mask=mask, use_cache=True)
+    with pytest.raises(rdkv.RDKVError, match="unpadded batch"):
+        rdkv.compress(model, 0.3, weights="reconstruct", **SMALL)
+    del out
