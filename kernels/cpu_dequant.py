@@ -56,7 +56,7 @@ ELF = b"\x7fELF"
 
 
 def _compile(cmd: list[str], timeout: float) -> None:
-    """Run the compiler in a session of its own, killed with everything it started once ``timeout`` passes."""
+    """Run the compiler in a process group of its own, killed with everything it started once ``timeout`` passes."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
