@@ -25,6 +25,7 @@ Layout of one layer, for S = batch * kv_heads streams, each with its own allocat
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -503,11 +504,14 @@ class TriZoneCache(Cache):
         # the solver's modelled distortion per layer (rdkv.calibrate), None for baselines
         self.layer_distortion = layer_distortion
         self.model = model  # model_signature() of the model it was compressed for (None: unchecked)
+        self._checked_with: weakref.ref | None = None  # the model check_model last passed
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise :class:`RDKVError` unless ``model`` is one this cache decodes with: the signature it was compressed
         for (when known), and in any case one layer per model layer with the model's KV heads, head size and
-        sliding windows, and one batch size."""
+        sliding windows, and one batch size. Checked once per model: every forward through the cache asks."""
+        if self._checked_with is not None and self._checked_with() is model:
+            return
         sig = model_signature(model)
         if self.model is not None and self.model != sig:
             diff = ", ".join(f"{k}: cache {self.model.get(k)!r}, model {sig.get(k)!r}"
@@ -525,6 +529,7 @@ class TriZoneCache(Cache):
                 raise RDKVError(f"layer {i} of the cache (batch {layer.batch}, {layer.heads} KV heads of {layer.head_dim}, "
                                 f"window {layer.sliding_window}) does not fit the model ({sig['num_key_value_heads']} of "
                                 f"{sig['head_dim']}, window {window}) or the cache's batch {self.layers[0].batch}")
+        self._checked_with = weakref.ref(model)
 
     @property
     def distortion(self) -> float | None:
