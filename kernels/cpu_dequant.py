@@ -31,7 +31,7 @@ import torch
 from rdkv.cachedir import cache_dir, trusted as _trusted
 from rdkv.errors import RDKVError
 from rdkv.quant import WIDTHS as K_WIDTHS
-from rdkv.trizone import V_CLASSES
+from rdkv.layout import V_CLASSES
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
 # The first that builds. 256-bit vectors: a value row's loops run 16 to 32 times, which 512-bit vectors of bytes

@@ -39,7 +39,8 @@ from .records import Record
 from .io import load, save
 from .layerwise import prefill
 from .methods import RDKV
-from .trizone import PackSpec, TriZoneCache
+from .layout import PackSpec
+from .trizone import TriZoneCache
 
 __all__ = ["record", "compress", "prefill", "install", "calibrate", "cache_kwargs", "fit_layer_gains", "tune_prior", "save", "load", "RDKV",
            "FoldPolicy", "PackSpec", "TriZoneCache", "Record",

@@ -35,11 +35,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import quant, rope
+from . import layout, quant, rope
 from .dense import allowed_keys
 from .kernels import cpu_dequant
 from .reference import queries
-from .trizone import V_CLASSES, TriZoneLayer
+from .layout import V_CLASSES
+from .trizone import TriZoneLayer
 
 
 def _unpack_channels(out: torch.Tensor, codes: torch.Tensor, bits: int) -> None:
@@ -110,11 +111,11 @@ class Scores(NamedTuple):
     kept: torch.Tensor  # [S, N] bool
 
 
-def _read_keys(K: torch.Tensor, t: dict[str, torch.Tensor], width: np.ndarray, n: np.ndarray, row0: np.ndarray,
+def _read_keys(K: torch.Tensor, seg: TriZoneLayer, width: np.ndarray, n: np.ndarray, row0: np.ndarray,
                group0: np.ndarray, k_group: int) -> None:
     """The keys of every (channel block, stream) pair into ``K`` [pairs, k_block, N] in torch: pair p (width
-    width[p], storage order) takes the N rows and N / k_group groups from its first on, reading past its own n[p]
-    into the next pair's or zeros (tokens that are not kept)."""
+    width[p], storage order) takes the N rows and N / k_group groups from its first on (row0[p], group0[p] among its
+    width's), reading past its own n[p] into the next pair's or zeros (tokens that are not kept)."""
     _, kb, N = K.shape
     groups_max, dev, a = N // k_group, K.device, 0
     for w in quant.WIDTHS:
@@ -122,22 +123,22 @@ def _read_keys(K: torch.Tensor, t: dict[str, torch.Tensor], width: np.ndarray, n
         if not pairs:
             continue
         out, at = K[a : a + pairs], slice(a, a + pairs)
+        stored = layout.k_rows(seg, w)
         if w == 0:
-            out.copy_(t["k0.mean"].unsqueeze(2).expand(pairs, kb, N))
+            out.copy_(stored.values.unsqueeze(2).expand(pairs, kb, N))
         elif w == 16:
-            out.copy_(_windows(t["k16"], row0[at] - row0[a], N))
+            out.copy_(_windows(stored.values, row0[at], N))
         else:
-            _unpack_channels(out, _windows(t[f"k{w}.codes"], row0[at] - row0[a], N), w)
-            scale, zero = t[f"k{w}.scale"], t[f"k{w}.zero"]
-            if len(scale):  # else every pair of this width belongs to an empty stream
-                g = _index(np.minimum((group0[at] - group0[a])[:, None] + np.arange(groups_max), len(scale) - 1), dev)
+            _unpack_channels(out, _windows(stored.values, row0[at], N), w)
+            if len(stored.scale):  # else every pair of this width belongs to an empty stream
+                g = _index(np.minimum(group0[at][:, None] + np.arange(groups_max), len(stored.scale) - 1), dev)
                 out = out.view(pairs, kb, groups_max, k_group)
-                out.mul_(scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
-                out.add_(zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
+                out.mul_(stored.scale.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
+                out.add_(stored.zero.index_select(0, g).view(pairs, groups_max, kb).transpose(1, 2).unsqueeze(3))
         a += pairs
 
 
-def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions: bool = True) -> Scores:
+def key_scores(seg: TriZoneLayer, q: torch.Tensor, positions: bool = True) -> Scores:
     """``q`` [S, GL, D] float32 dotted with the keys of one packed segment, per (channel block, stream) pair.
 
     The pairs of each width are stored block-major, each with n[s] rows in its stream's token order (one
@@ -149,38 +150,31 @@ def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions
     product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block] on a 2-core EPYC, docs/benchmarks.md). Pre-RoPE keys are dequantized whole, put in the model's channel order and rotated to
     their positions. Positions are read only when ``positions`` (or to rotate keys).
     """
-    t, D, spec = seg.t, seg.head_dim, seg.spec
+    D, spec, plan = seg.head_dim, seg.spec, layout.plan(seg).host
     (S, GL, _), dev = q.shape, seg.device
     kb, kg = spec.k_block, spec.k_group
     nb = D // kb
-    n = counts.sum(1)  # tokens per stream
+    n = plan.n  # tokens per stream
     groups_max = -(-int(n.max()) // kg) if S else 0
     N = groups_max * kg  # whole K groups, so every group's rows are one slice
     i = np.arange(N)
     kept = torch.from_numpy(i < n[:, None]).to(dev)
-    rope_keys = "rope" in t
+    table = layout.rope_table(seg)
     pos = None
-    if positions or rope_keys:  # stream s's tokens follow those of the streams before it in ``pos``
-        first = np.minimum((np.cumsum(n) - n)[:, None] + i, max(int(n.sum()) - 1, 0))
-        pos = t["pos"].index_select(0, _index(first, dev)).long().view(S, N)
-
-    pw = t["k_bits"].cpu().numpy().T.ravel().astype(np.int64)  # width of pair b * S + s
-    pair = np.argsort(pw, kind="stable")  # storage order -> pair b * S + s
-    ps, pw = pair % S, pw[pair]  # stream and width of each pair in storage order
-    rows = np.where(pw == 0, 1, n[ps])  # stored rows per pair
-    groups = -(-n[ps] // kg)
-    row0, group0 = np.cumsum(rows) - rows, np.cumsum(groups) - groups
-    block = ps * nb + pair // S  # row of the query's [S * nb, ., kb] block view each pair meets
-    if not rope_keys:  # the query in each stream's packed channel order, in blocks
-        qv = q.gather(2, t["k_perm"].long().unsqueeze(1).expand(S, GL, D)).view(S, GL, nb, kb)
+    if positions or table is not None:
+        first = np.minimum(plan.tok0[:, None] + i, max(int(n.sum()) - 1, 0))
+        pos = layout.positions(seg).index_select(0, _index(first, dev)).long().view(S, N)
+    ps, pw = plan.pair_stream, plan.pair_width  # storage order
+    block = ps * nb + plan.pair_block  # row of the query's [S * nb, ., kb] block view each pair meets
+    perm = layout.k_perm(seg)
+    if table is None:  # the query in each stream's packed channel order, in blocks
+        qv = q.gather(2, perm.long().unsqueeze(1).expand(S, GL, D)).view(S, GL, nb, kb)
         qv = qv.transpose(1, 2).reshape(S * nb, GL, kb)
     native = dev.type == "cpu" and cpu_dequant.library()
     if native:
-        first = np.searchsorted(pw, pw)  # each pair's rows and groups count from the first pair of its width
-        pairs = dict(stored={w: (t["k0.mean" if w == 0 else "k16"], None, None) if w in (0, 16) else
-                             (t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"]) for w in set(pw.tolist())},
-                     k_group=kg, width=pw, row0=row0 - row0[first], n=n[ps], group0=group0 - group0[first])
-    if native and not rope_keys:
+        pairs = dict(stored={w: layout.k_rows(seg, w) for w in set(pw.tolist())}, k_group=kg, width=pw,
+                     row0=plan.pair_row0, n=n[ps], group0=plan.pair_group0)
+    if native and table is None:
         s = torch.zeros(S, GL, N, device=dev)
         cpu_dequant.scores(s, **pairs, stream=ps, query=qv.index_select(0, _index(block, dev)))
         return Scores(s, pos, kept)
@@ -188,14 +182,14 @@ def key_scores(seg: TriZoneLayer, counts: np.ndarray, q: torch.Tensor, positions
     if native:
         cpu_dequant.keys(K, **pairs)
     else:
-        _read_keys(K, t, pw, n[ps], row0, group0, kg)
+        _read_keys(K, seg, pw, n[ps], plan.pair_row0, plan.pair_group0, kg)
     block = _index(block, dev)
-    if not rope_keys:
+    if table is None:
         part = torch.bmm(qv.index_select(0, block), K)
         return Scores(part.new_zeros(S, GL, N).index_add_(0, _index(ps, dev), part), pos, kept)
     dense = torch.empty(S * nb, kb, N, device=dev).index_copy_(0, block, K).view(S, D, N)  # packed channel order
-    dense = torch.empty_like(dense).scatter_(1, t["k_perm"].long().unsqueeze(2).expand(S, D, N), dense)
-    return Scores(torch.bmm(q, rope.rotate(dense.transpose(1, 2), pos, t["rope"]).transpose(1, 2)), pos, kept)
+    dense = torch.empty_like(dense).scatter_(1, perm.long().unsqueeze(2).expand(S, D, N), dense)
+    return Scores(torch.bmm(q, rope.rotate(dense.transpose(1, 2), pos, table).transpose(1, 2)), pos, kept)
 
 
 def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
@@ -215,7 +209,7 @@ def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
         slots[:, k % 2, :, k // 2].copy_(plane if k == per - 1 else plane & (1 << bits) - 1)
 
 
-def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
+def read_values(seg: TriZoneLayer, N: int) -> torch.Tensor:
     """The values of one packed segment [S, N, D] float32 in each stream's token order, zero past its count, with
     channel 2j + i at i * D/2 + j (:func:`_unpack_halves`; undo it on the product, not on the values).
 
@@ -223,9 +217,9 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     tokens of class c of stream s are one run of stored rows. Every class is unpacked into one buffer in storage
     order, ending in a zero row, and one gather reads the rows of every stream's tokens from it.
     """
-    t, D, spec = seg.t, seg.head_dim, seg.spec
-    S, dev = seg.batch * seg.heads, seg.device
-    n, per_class = counts.sum(1), counts.sum(0)
+    D, spec, plan = seg.head_dim, seg.spec, layout.plan(seg).host
+    S, dev, counts = seg.batch * seg.heads, seg.device, plan.counts
+    n, per_class = plan.n, counts.sum(0)
     total = int(n.sum())
     flat = scratch("stored values", (total + 1, D), torch.float32, dev)
     flat[total] = 0
@@ -234,14 +228,15 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
         if not rows:
             continue
         out = flat[a : a + rows]
-        _unpack_halves(out, t["v16"] if w == 16 else t[f"v{w}.codes"], w)
+        stored = layout.v_rows(seg, w)
+        _unpack_halves(out, stored.values, w)
         if w != 16:  # channel 2j + i is in group (2j + i) // g = j // (g / 2), in both halves
             g = spec.v_group_of(w)
             groups = out.view(rows, 2, D // g, g // 2)
-            groups.mul_(t[f"v{w}.scale"].view(rows, 1, D // g, 1)).add_(t[f"v{w}.zero"].view(rows, 1, D // g, 1))
+            groups.mul_(stored.scale.view(rows, 1, D // g, 1)).add_(stored.zero.view(rows, 1, D // g, 1))
         a += rows
     # token j of class c of stream s: stored row (rows of earlier classes) + (class c rows of earlier streams) + j
-    run = (np.cumsum(per_class) - per_class) + (np.cumsum(counts, 0) - counts)  # [S, 4]: first row
+    run = (np.cumsum(per_class) - per_class) + plan.class_row0  # [S, 4]: first row
     within = np.arange(total) - np.repeat(np.cumsum(counts.ravel()) - counts.ravel(), counts.ravel())
     index = np.full((S, N), total)
     index[np.arange(N) < n[:, None]] = np.repeat(run.ravel(), counts.ravel()) + within
@@ -249,16 +244,15 @@ def read_values(seg: TriZoneLayer, counts: np.ndarray, N: int) -> torch.Tensor:
     return torch.index_select(flat, 0, _index(index, dev), out=out).view(S, N, D)
 
 
-def add_values(out: torch.Tensor, p: torch.Tensor, seg: TriZoneLayer, counts: np.ndarray) -> None:
+def add_values(out: torch.Tensor, p: torch.Tensor, seg: TriZoneLayer) -> None:
     """``out`` [S, GL, D] (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] times the values of one packed
     segment: in C (:func:`rdkv.kernels.cpu_dequant.attend`, the values never written out), else
     :func:`read_values` and one product."""
     if seg.device.type == "cpu" and cpu_dequant.library():
-        t = seg.t
-        cpu_dequant.attend(out, p, {w: (t["v16"], None, None) if w == 16 else (t[f"v{w}.codes"], t[f"v{w}.scale"],
-                           t[f"v{w}.zero"]) for w in V_CLASSES}, {w: seg.spec.v_group_of(w) for w in quant.PACKED}, counts)
+        cpu_dequant.attend(out, p, {w: layout.v_rows(seg, w) for w in V_CLASSES},
+                           {w: seg.spec.v_group_of(w) for w in quant.PACKED}, layout.plan(seg).host.counts)
     else:
-        out.baddbmm_(p, read_values(seg, counts, p.shape[-1]))
+        out.baddbmm_(p, read_values(seg, p.shape[-1]))
 
 
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
@@ -269,8 +263,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
 
     scores, packed = [], []  # [S, GL, N] and ok [., GL, N] per part; the segments with tokens
     for seg in layer.segments():
-        counts = seg.t["v_counts"].cpu().numpy().astype(np.int64)  # [S, 4] tokens per stream and V class
-        k = key_scores(seg, counts, q, positions=window is not None or m is not None)
+        k = key_scores(seg, q, positions=window is not None or m is not None)
         if not k.kept.shape[1]:
             continue
         ok = k.kept.unsqueeze(1)  # packed positions precede every query: only the window and the mask can hide them
@@ -279,10 +272,11 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
         if m is not None:
             ok = ok & m.gather(2, k.positions.unsqueeze(1).expand(S, GL, -1))
         scores.append((k.scores, ok))
-        packed.append((seg, counts))
+        packed.append(seg)
     c_pos = torch.arange(layer.c_start, seq, device=dev)
+    kc, vc = layout.zone_c(layer)
     if len(c_pos):
-        s = torch.bmm(q, layer.t["kc"].float().reshape(S, -1, D).transpose(1, 2))
+        s = torch.bmm(q, kc.float().reshape(S, -1, D).transpose(1, 2))
         ok = allowed_keys(q_pos, c_pos, window).unsqueeze(0)
         if m is not None:
             ok = ok & m[:, :, layer.c_start : seq]
@@ -296,11 +290,11 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     s = s.masked_fill_(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num_(0.0)  # a query that sees nothing: zero output
     out, a = torch.zeros(S, GL, 2, D // 2, device=dev), 0  # packed values' channel order (add_values)
-    for (seg, counts), (x, _) in zip(packed, scores):
+    for seg, (x, _) in zip(packed, scores):
         N = x.shape[-1]
-        add_values(out.view(S, GL, D), p[..., a : a + N], seg, counts)
+        add_values(out.view(S, GL, D), p[..., a : a + N], seg)
         a += N
     out = out.transpose(2, 3).reshape(S, GL, D)
     if len(c_pos):
-        out.baddbmm_(p[..., a:], layer.t["vc"].float().reshape(S, -1, D))
+        out.baddbmm_(p[..., a:], vc.float().reshape(S, -1, D))
     return out.reshape(query.shape).to(query.dtype)

@@ -54,7 +54,8 @@ import torch
 from . import quant
 from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys
 from .errors import RDKVError
-from .trizone import PackSpec, TriZoneCache, fixed_bytes, k_block_bytes, v_row_bytes
+from .layout import PackSpec, fixed_bytes, k_block_bytes, v_row_bytes
+from .trizone import TriZoneCache
 from .weights import channel_weights, token_weights
 
 MODELS = ("output", "paper")
@@ -144,7 +145,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     is replaced by the mean over channels, so a channel the weight queries barely used still costs
     something to quantize coarsely (a later query may use it).
     ``protect`` [B, H, T] marks tokens that may not be evicted (none by default); ``prerope``: the keys are
-    packed before RoPE, with the layer's rotary table (:func:`rdkv.trizone.fixed_bytes`); ``gain`` scales every
+    packed before RoPE, with the layer's rotary table (:func:`rdkv.layout.fixed_bytes`); ``gain`` scales every
     distortion (a layer's weight in a global knapsack); ``joint`` re-prices eviction from the set a pass
     evicts (:func:`joint_reprice`).
     """

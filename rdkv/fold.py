@@ -18,10 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import layout
 from .dense import attend
 from .errors import RDKVError
 from .methods import RDKV, Eviction, Prior, Solve, Weights
-from .trizone import PackSpec, TriZoneLayer, fixed_bytes, fp16_bytes, k_block_bytes, pack_choice
+from .layout import PackSpec, fixed_bytes, fp16_bytes, k_block_bytes
+from .trizone import TriZoneLayer, pack_choice
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,9 @@ def observe(layer: TriZoneLayer, query: torch.Tensor, scaling: float, softcap: f
     if policy is None:
         return
     q = query.detach().to(layer.dtype16)
-    old = layer.t.get("qwin")
-    layer.t["qwin"] = (q if old is None else torch.cat([old, q], 2))[:, :, -policy.window :]
-    if layer.t["kc"].shape[2] >= policy.every + policy.keep:
+    old = layout.decode_queries(layer)
+    layout.set_decode_queries(layer, (q if old is None else torch.cat([old, q], 2))[:, :, -policy.window :])
+    if layout.zone_c(layer)[0].shape[2] >= policy.every + policy.keep:
         fold_layer(layer, scaling, softcap)
 
 
@@ -80,7 +82,7 @@ def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> No
     policy, spec = layer.fold, layer.spec
     m = replace(policy.method, spec=spec)  # priced as the layer packs
     R = policy.every
-    kc, vc, q = layer.t["kc"], layer.t["vc"], layer.t["qwin"]
+    (kc, vc), q = layout.zone_c(layer), layout.decode_queries(layer)
     B, H, n, D = kc.shape
     seq = layer.get_seq_length()
     start, window = layer.c_start, layer.sliding_window
@@ -90,9 +92,9 @@ def fold_layer(layer: TriZoneLayer, scaling: float, softcap: float | None) -> No
     k, v = kc[:, :, :R].float(), vc[:, :, :R].float()
     alloc = m.fold(k, v, sums, scaling, start + R, policy.floor, [policy.budget * fp16_bytes(R, H * D)] * B)
     seg = pack_choice(k, v, start, alloc.v[0], alloc.k[0], alloc.perm[0], spec, layer.dtype16, window, start + R)
-    del seg.t["kc"], seg.t["vc"]
+    layout.set_zone_c(seg, None, None)
     layer.folds.append(seg)
-    layer.t["kc"], layer.t["vc"] = kc[:, :, R:].clone(), vc[:, :, R:].clone()
+    layout.set_zone_c(layer, kc[:, :, R:].clone(), vc[:, :, R:].clone())
     layer.c_start = start + R
     if window is not None:  # positions <= seq - window are invisible to every query from here on
         layer.folds = [f for f in layer.folds if f.prefix_len - 1 > seq - window]

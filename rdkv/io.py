@@ -33,7 +33,8 @@ from safetensors import SafetensorError
 
 from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
-from .trizone import POSITION_LIMIT, SIGNATURE, PackSpec, TriZoneCache, TriZoneLayer, check_layout
+from .layout import POSITION_LIMIT, PackSpec, check_layout
+from .trizone import SIGNATURE, TriZoneCache, TriZoneLayer
 
 FORMAT = "rdkv.trizone"
 # 2: per-layer modelled distortion, a V group size per width; 3: the fold policy names its method; 4: the model the cache
@@ -164,7 +165,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     """Read a cache written by :func:`save`, verify it, and place its tensors on ``device``.
 
     A file is untrusted input: the checksum only shows it is what some writer wrote. Every field is checked
-    before anything is built or sized by it (:func:`rdkv.trizone.check_layout`): scalars in range, the pack spec
+    before anything is built or sized by it (:func:`rdkv.layout.check_layout`): scalars in range, the pack spec
     legal, every count, position, permutation and width table consistent with the tensors it indexes, their
     dtypes and shapes exactly what the packer makes, 16-bit values, scales and zeros finite, the fold policy and
     spans well formed. The model the cache was compressed for is recorded in it, and decoding with another
@@ -240,7 +241,7 @@ def _number(name: str, x, lo: float, hi: float, none: bool = False) -> float | N
 
 
 def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZoneCache:
-    """The cache the metadata and tensors describe, every field checked first (:func:`rdkv.trizone.check_layout`,
+    """The cache the metadata and tensors describe, every field checked first (:func:`rdkv.layout.check_layout`,
     :meth:`rdkv.fold.FoldPolicy.check`): a bad field raises naming it, before anything is sized by it."""
     out = []
     for i, lay in enumerate(layers):

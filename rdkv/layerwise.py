@@ -42,7 +42,8 @@ from .errors import BudgetInfeasible, RDKVError
 from .methods import AUTO, RDKV, Method, resolve
 from .records import LayerStats, Record
 from .solvers.mckp import Infeasible
-from .trizone import TriZoneCache, TriZoneLayer, fp16_bytes, model_signature
+from .layout import fp16_bytes
+from .trizone import TriZoneCache, TriZoneLayer, model_signature
 
 MODES = ("staged", "layer")
 MLP_CHUNK = 2048  # tokens per MLP call during a prefill

@@ -10,7 +10,7 @@ import torch
 
 from transformers.cache_utils import Cache
 
-from . import quant
+from . import layout, quant
 from .attention import prefill_record
 from .distortion import Calibration, LayerTables, modelled_distortion
 from .errors import RDKVError
@@ -20,7 +20,8 @@ from .reconstruct import reconstruct
 from .records import Record
 from .rope import rope_table, rotate
 from .solvers.mckp import Infeasible
-from .trizone import PackSpec, TriZoneCache, TriZoneLayer, fp16_bytes, pack_choice
+from .layout import PackSpec, fp16_bytes
+from .trizone import TriZoneCache, TriZoneLayer, pack_choice
 
 
 # what names a prefill for compress: the model after it, the cache it filled, or an explicit record
@@ -149,8 +150,7 @@ def pack_held(h: HeldLayer, v_opt: torch.Tensor, k_opt: torch.Tensor, perm: torc
               dtype16: torch.dtype) -> TriZoneLayer:
     """Pack one held layer (:func:`held_layer`) at the chosen options, with its RoPE table if pre-RoPE."""
     layer = pack_choice(h.k, h.v, h.start, v_opt, k_opt, perm, spec, dtype16, h.stats.sliding_window, h.stats.seen)
-    if h.rope is not None:
-        layer.t["rope"] = h.rope
+    layout.set_rope_table(layer, h.rope)
     return layer
 
 

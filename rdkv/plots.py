@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import pipeline, quant
+from . import layout, pipeline, quant
 from .distortion import cache_options, modelled_distortion as objective
 from .errors import RDKVError
 from .methods import Method
@@ -213,12 +213,10 @@ def zone_sizes(cache: TriZoneCache) -> Figure:
     names = ("zone A (packed)", "zone B (16-bit V)", "zone C (fresh)")
     rows, nbytes = [], []
     for layer in cache.layers:
-        counts = layer.t["v_counts"].long().sum(0).tolist()  # per V class, over streams
-        fresh = layer.t["kc"].shape[0] * layer.t["kc"].shape[1] * layer.t["kc"].shape[2]
-        rows.append((sum(counts[:3]), counts[3], fresh))
-        b = {n: t.numel() * t.element_size() for n, t in layer.t.items()}
-        zb, zc = b["v16"], b["kc"] + b["vc"]
-        nbytes.append((sum(b.values()) - zb - zc, zb, zc))
+        counts = layout.counts(layer).long().sum(0).tolist()  # per V class, over streams
+        kc, _ = layout.zone_c(layer)
+        rows.append((sum(counts[:3]), counts[3], kc.shape[0] * kc.shape[1] * kc.shape[2]))
+        nbytes.append(layout.zone_bytes(layer))
     fig = _figure(figsize=(10, 5.5))
     axes = fig.subplots(2, 1, sharex=True)
     x = list(range(len(cache.layers)))

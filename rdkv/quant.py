@@ -95,7 +95,7 @@ def row_bytes(width: int, dim: int, group: int) -> int:
 # --- quantize + pack in one call (the compress path; Triton on GPU) ---------------------------------------
 def check_quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
                         segments: torch.Tensor | None = None) -> int:
-    """Validate the arguments of :func:`rdkv.trizone.quantize_pack`; returns the axis as -1 or 0."""
+    """Validate the arguments of :func:`rdkv.layout.quantize_pack`; returns the axis as -1 or 0."""
     if bits not in PACKED:
         raise RDKVError(f"quantize_pack packs bits in {PACKED}, got {bits}")
     if not isinstance(group, int) or group <= 0:
@@ -140,7 +140,7 @@ def segment_groups(lens: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 
 def quantize_pack_torch(x: torch.Tensor, bits: int, group: int, axis: int = -1,
                         segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path of :func:`rdkv.trizone.quantize_pack` (and the reference of its Triton kernel)."""
+    """The torch path of :func:`rdkv.layout.quantize_pack` (and the reference of its Triton kernel)."""
     axis = check_quantize_pack(x, bits, group, axis, segments)
     if axis == -1:
         c, scale, zero = quantize(x.unflatten(-1, (-1, group)), bits)

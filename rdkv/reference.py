@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import layout
 from .dense import allowed_keys
 from .trizone import TriZoneLayer
 
@@ -64,8 +65,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
         if m is not None:
             ok = ok & m.gather(2, pos.unsqueeze(1).expand_as(ok))
         parts.append(partial_attention(q, K, V, ok, scaling, softcap))
-    kc = layer.t["kc"].float().reshape(S, -1, D)
-    vc = layer.t["vc"].float().reshape(S, -1, D)
+    kc, vc = (x.float().reshape(S, -1, D) for x in layout.zone_c(layer))
     ok_c = allowed_keys(q_pos, c_pos, window).expand(S, -1, -1)
     if m is not None:
         ok_c = ok_c & m[:, :, layer.c_start : seq]

@@ -3,33 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-from . import quant
-
-COMPONENTS = ("codes", "scales", "zeros", "fp16 rows", "indices", "zone C")
-
-
-def component(name: str) -> str:
-    """Which accounting bucket a TriZone tensor belongs to."""
-    if name in ("kc", "vc", "qwin"):  # qwin: the decode queries a fold policy keeps
-        return "zone C"
-    if name.endswith(".codes"):
-        return "codes"
-    if name.endswith(".scale"):
-        return "scales"
-    if name.endswith(".zero") or name == "k0.mean":
-        return "zeros"
-    if name in ("v16", "k16"):
-        return "fp16 rows"
-    return "indices"  # pos, v_counts, k_perm, k_bits, rope
+from . import layout, quant
+from .layout import COMPONENTS
 
 
 def layer_components(layer) -> dict[str, int]:
     """Bytes one TriZone layer holds (its folds included), per accounting bucket."""
     comps = dict.fromkeys(COMPONENTS, 0)
     for seg in layer.segments():
-        for name, t in seg.t.items():
-            comps[component(name)] += t.numel() * t.element_size()
+        for k, v in layout.component_bytes(seg).items():
+            comps[k] += v
     return comps
 
 

@@ -141,6 +141,7 @@ def model_row(name: str, kernel, warps: int, inflight: float, detail: str, issue
 
 
 def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
+    from rdkv import layout
     from rdkv.kernels import trizone_decode as kmod
 
     layer, ratio = bd.calibrated_layer(B, T, budget, torch.device("cpu"))
@@ -150,9 +151,9 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
     tile_bytes = layer.nbytes / tiles
     k_blocks = bd.D // layer.spec.k_block
     phase = tile_bytes / (k_blocks + 1)
-    stream_tiles = (-(-layer.t["v_counts"].long() // block_n)).double()  # [S, 4] tile-loop iterations per V class
+    stream_tiles = (-(-layout.counts(layer).long() // block_n)).double()  # [S, 4] tile-loop iterations per V class
     class_tiles = stream_tiles.sum(0)
-    k_bits = layer.t["k_bits"].long()
+    k_bits = layout.k_bits(layer).long()
     widths = (2, 4, 8, 16)  # the K-block loops a tile runs, in source order (width 0 is a constant without RoPE)
     blocks = torch.stack([(k_bits == w).sum(1) for w in widths], 1).double()  # [S, 4] blocks per width
     # sum over streams and classes of tiles x blocks of each width: the weight of each inner loop

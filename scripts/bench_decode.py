@@ -40,10 +40,13 @@ import sys
 import time
 
 import torch
+
+from rdkv import layout
 import torch.nn.functional as F
 
 from common import save_outputs
-from rdkv.trizone import PackSpec, pack_layer
+from rdkv.layout import PackSpec
+from rdkv.trizone import pack_layer
 
 H, G, D = 8, 4, 128
 ROPE = torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)])  # a Llama RoPE table (rdkv.rope layout)
@@ -288,17 +291,17 @@ def main(argv=None) -> int:
             g_tz = graphed(step) if dev.type == "cuda" else None
             tg_tz = bench(g_tz) if g_tz else None
             del g_tz
-            layer.t["rope"] = ROPE.to(dev)  # the same layer with pre-RoPE keys (graph time on a GPU)
+            layout.set_rope_table(layer, ROPE.to(dev))  # the same layer with pre-RoPE keys (graph time on a GPU)
             g_rope = graphed(step) if dev.type == "cuda" else None
             tg_rope = bench(g_rope) if g_rope else bench(step)
             del g_rope
-            layer.t.pop("rope")
+            layout.set_rope_table(layer, None)
             t_deq = None
             if not a.no_deq:
                 def deq_sdpa():
                     K, V, _, valid = layer.dequantize()
-                    K = torch.cat([K.to(q.dtype), layer.t["kc"].reshape(B * H, -1, D)], 1)
-                    V = torch.cat([V.to(q.dtype), layer.t["vc"].reshape(B * H, -1, D)], 1)
+                    K = torch.cat([K.to(q.dtype), layout.zone_c(layer)[0].reshape(B * H, -1, D)], 1)
+                    V = torch.cat([V.to(q.dtype), layout.zone_c(layer)[1].reshape(B * H, -1, D)], 1)
                     ok = torch.cat([valid, valid.new_ones(B * H, FRESH)], 1)[:, None, None, :]
                     return F.scaled_dot_product_attention(q.view(B * H, G, 1, D).transpose(1, 2), K[:, None], V[:, None],
                                                           attn_mask=ok)

@@ -41,7 +41,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 import bench_decode as bd
 import rdkv
 from common import save_outputs
-from rdkv.trizone import TriZoneCache, fp16_bytes
+from rdkv.layout import fp16_bytes
+from rdkv.trizone import TriZoneCache
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,

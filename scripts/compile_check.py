@@ -104,7 +104,9 @@ def decode_call(v: dict):
     import torch
 
     from rdkv.kernels import trizone_decode as m
-    from rdkv.trizone import PackSpec, pack_layer
+    from rdkv import layout
+    from rdkv.layout import PackSpec
+    from rdkv.trizone import pack_layer
 
     D, GL, L = v["D"], v["GL"], v["L"]
     window, mask, softcap = v["flags"]
@@ -121,7 +123,7 @@ def decode_call(v: dict):
                        64 if window else None, T)
     layer.update(torch.randn(B, H, L + 2, D, generator=g), torch.randn(B, H, L + 2, D, generator=g))
     if v.get("rope"):
-        layer.t["rope"] = torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)])
+        layout.set_rope_table(layer, torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)]))
     q = torch.randn(B, H * (GL // L), L, D, generator=g).to(dtype)
     bool_mask = torch.ones(B, 1, L, layer.get_seq_length(), dtype=torch.bool) if mask else None
     return lambda: m.trizone_decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)

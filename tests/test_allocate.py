@@ -6,7 +6,7 @@ from conftest import SMALL
 from rdkv.dense import AttentionSums
 from rdkv.distortion import layer_tables
 from rdkv.solvers.allocate import allocate
-from rdkv.trizone import PackSpec
+from rdkv.layout import PackSpec
 
 SPEC = PackSpec(**SMALL)
 H, T, D = 2, 512, 32

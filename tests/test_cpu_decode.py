@@ -17,9 +17,9 @@ from conftest import load_real
 from test_kernel_decode import GRID, ROPE_GRID, _decode_logits, build, query, rope_table, width_mixes
 
 import rdkv
-from rdkv import cpu_decode, reference
+from rdkv import cpu_decode, layout, reference
 from rdkv.kernels import cpu_dequant
-from rdkv.trizone import PackSpec
+from rdkv.layout import PackSpec
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -60,7 +60,7 @@ def test_pre_rope_keys(seed, T, D, start, G, L, dtype, vmix, kmix, dequant):
     layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix)
     q = query(layer, G, L, dtype)
     plain = cpu_decode.trizone_attention(q, layer, D ** -0.5)
-    layer.t["rope"] = rope_table(D)
+    layout.set_rope_table(layer, rope_table(D))
     got = check(layer, q)
     assert (got.float() - plain.float()).abs().max() > 0.05  # the rotation happened
 
@@ -93,7 +93,7 @@ def test_sliding_windows_masks_and_softcap(dequant):
 
 def test_folds_and_other_pack_specs(dequant):
     layer = build(seed=13, B=2, H=2, T=300, D=64, n_c=0)
-    layer.t["rope"] = rope_table(64)  # a pre-RoPE prefix beside post-RoPE folds
+    layout.set_rope_table(layer, rope_table(64))  # a pre-RoPE prefix beside post-RoPE folds
     layer.folds = [build(seed=14, B=2, H=2, T=150, D=64, n_c=0, start=300),
                    build(seed=15, B=2, H=2, T=90, D=64, n_c=0, start=450, empty_streams=1)]
     layer.c_start = 540
@@ -185,7 +185,7 @@ def test_layers_of_a_pass_share_scratch_buffers_freed_after_the_last(monkeypatch
         model(ids[:, -1:], past_key_values=cache)
     finally:
         hook.remove()
-    assert held[0] >= 4 * cache.layers[0].t["v_counts"].sum() * model.config.head_dim  # a layer's values, fp32
+    assert held[0] >= 4 * layout.counts(cache.layers[0]).sum() * model.config.head_dim  # a layer's values, fp32
     assert cpu_decode.scratch_bytes() == 0
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_kernel_decode import build
 
-from rdkv import cpu_decode
+from rdkv import cpu_decode, layout
 from rdkv.errors import RDKVError
 from rdkv.kernels import cpu_dequant
 
@@ -143,9 +143,8 @@ def test_a_hanging_compiler_falls_back_in_time_once(monkeypatch, tmp_path):
 @needs_cc
 def test_launchers_reject_what_does_not_fit():
     layer = build(seed=1, B=1, H=2, T=200, D=64, n_c=0)
-    counts = layer.t["v_counts"].numpy().astype(np.int64)
-    stored = {w: (layer.t[f"v{w}.codes"], layer.t[f"v{w}.scale"], layer.t[f"v{w}.zero"]) for w in (2, 4, 8)}
-    stored[16] = (layer.t["v16"], None, None)
+    counts = layout.counts(layer).numpy().astype(np.int64)
+    stored = {w: layout.v_rows(layer, w) for w in (2, 4, 8, 16)}
     groups = {w: layer.spec.v_group_of(w) for w in (2, 4, 8)}
     N = int(counts.sum(1).max())
     out, p = torch.zeros(2, 3, 64), torch.rand(2, 3, N)
@@ -161,7 +160,7 @@ def test_launchers_reject_what_does_not_fit():
     bad = {**stored, 4: (stored[4][0][:-1], stored[4][1], stored[4][2])}
     with pytest.raises(RDKVError, match="class 4 codes"):
         cpu_dequant.attend(out, p, bad, groups, counts)
-    codes, scale, zero = (layer.t[f"k4.{x}"] for x in ("codes", "scale", "zero"))
+    codes, scale, zero = layout.k_rows(layer, 4)
     kb, kg = layer.spec.k_block, layer.spec.k_group
     one = np.array([0]), np.array([min(len(codes), 10)]), np.array([0])
     past = np.array([len(codes) - 1]), np.array([2]), np.array([0])

@@ -8,7 +8,7 @@ from conftest import SMALL, recorded, tiny_llama
 from rdkv.dense import AttentionSums, allowed_keys
 from rdkv.distortion import eviction_cross, layer_tables
 from rdkv.solvers.allocate import _reprice, allocate
-from rdkv.trizone import PackSpec
+from rdkv.layout import PackSpec
 
 SPEC = PackSpec(**SMALL)
 T, D, GROUP = 64, 32, 4

@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from rdkv import layout
+
 import rdkv
 from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.fold import FoldPolicy
@@ -34,7 +36,7 @@ def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy
             torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
     assert cache.get_seq_length() == full.get_seq_length() == 2050
     for layer in cache.layers:
-        n_c = layer.t["kc"].shape[2]
+        n_c = layout.zone_c(layer)[0].shape[2]
         if fold is None:
             assert n_c == 2000 and not layer.folds  # zone C holds exactly the new tokens
             continue
@@ -44,7 +46,7 @@ def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy
         assert layer.c_start == spans[-1][1] and layer.c_start + n_c == 2050
         for f in layer.folds:  # each fold holds at most the budget fraction of its tokens' fp16 bytes
             assert f.nbytes <= fp16_bytes(layer, 64)
-            assert sorted(f.t["pos"].long().unique().tolist()) == list(range(f.start, f.prefix_len))
+            assert sorted(layout.positions(f).long().unique().tolist()) == list(range(f.start, f.prefix_len))
 
 
 def test_fold_at_a_low_budget_charges_each_fold_its_fraction():
@@ -57,12 +59,12 @@ def test_fold_at_a_low_budget_charges_each_fold_its_fraction():
     for step in range(400):
         model(toks[:, step : step + 1], past_key_values=cache)
     for layer in cache.layers:
-        assert len(layer.folds) == 3 and layer.t["kc"].shape[2] == 400 - 3 * 128 < 128 + 8
-        assert layer.t["qwin"].shape[2] == 4
+        assert len(layer.folds) == 3 and layout.zone_c(layer)[0].shape[2] == 400 - 3 * 128 < 128 + 8
+        assert layout.decode_queries(layer).shape[2] == 4
         for f in layer.folds:
             assert f.nbytes <= budget * fp16_bytes(layer, 128)
             assert (f.v_widths() < 16).float().mean() > 0.5  # at 20% most folded rows are quantized
-    zone_c = sum(l.t["kc"].nbytes + l.t["vc"].nbytes + l.t["qwin"].nbytes for l in cache.layers)
+    zone_c = sum(layout.zone_c(l)[0].nbytes + layout.zone_c(l)[1].nbytes + layout.decode_queries(l).nbytes for l in cache.layers)
     folded = sum(fp16_bytes(l, 3 * 128) for l in cache.layers)
     assert cache.nbytes <= prefix + budget * folded + zone_c
     assert sum(cache.report().components.values()) == cache.nbytes  # folds and kept queries are accounted

@@ -3,6 +3,8 @@ import os
 
 import pytest
 import torch
+
+from rdkv import layout
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -62,7 +64,7 @@ def rewrite(path, drop=(), **meta):
 def test_round_trip_is_bit_identical_and_decodes_the_same_tokens(tmp_path):
     model, ids = tiny_llama(), torch.randint(0, 96, (1, 100))
     cache = compressed(model, ids)
-    assert cache.layers[0].t["kc"].shape[2] == 3  # mid-generation: zone C is saved too
+    assert layout.zone_c(cache.layers[0])[0].shape[2] == 3  # mid-generation: zone C is saved too
     save(cache, tmp_path / "c")
     got = load(tmp_path / "c")
     assert_identical(cache, got)
@@ -183,7 +185,7 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp(saved, monkeypatch):
 
 def test_bfloat16_cache_round_trips(tmp_path):
     cache = compressed(tiny_llama(dtype=torch.bfloat16), torch.randint(0, 96, (1, 60)), decode=2)
-    assert cache.layers[0].dtype16 == torch.bfloat16 and cache.layers[0].t["kc"].dtype == torch.bfloat16
+    assert cache.layers[0].dtype16 == torch.bfloat16 and layout.zone_c(cache.layers[0])[0].dtype == torch.bfloat16
     save(cache, tmp_path / "bf")
     assert_identical(cache, load(tmp_path / "bf"))
 

@@ -34,7 +34,7 @@ import torch
 if DEVICE != "cpu" and not torch.cuda.is_available():
     pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
-from rdkv import RDKVError, quant, trizone
+from rdkv import RDKVError, layout, quant
 from rdkv.dense import attend
 
 for _name in ("rdkv.kernels.quantize_pack", "rdkv.kernels.token_weights"):
@@ -119,9 +119,9 @@ def test_quantize_cols_k_layout(bits, group):
 
 
 def test_quantize_cols_reproduces_pack_layer():
-    """The call rdkv.trizone.pack_layer can make for K (one per width), checked against what pack_layer
-    stores today."""
-    from rdkv.trizone import PackSpec, _k_pairs, pack_layer
+    """The call rdkv.layout.pack can make for K (one per width), checked against what pack_layer stores."""
+    from rdkv.layout import PackSpec
+    from rdkv.trizone import pack_layer
 
     g = torch.Generator().manual_seed(0)
     B, H, T, D = 2, 2, 70, 64
@@ -144,17 +144,18 @@ def test_quantize_cols_reproduces_pack_layer():
     kp = kf[s_flat, order[keep]].gather(1, perm.reshape(S, D)[s_flat])
     kbits = kb.reshape(S, D // 16)
     for w in (2, 4, 8):
-        ps, pb, _, pi, *_ = _k_pairs(kbits, n, w, spec.k_group)
-        rows = kp.unflatten(1, (-1, 16))[(torch.cumsum(n, 0) - n)[ps] + pi, pb]
-        _, s = torch.nonzero(kbits.T == w, as_tuple=True)  # the pairs of width w, in _k_pairs' order
+        blk, s = torch.nonzero(kbits.T == w, as_tuple=True)  # the pairs of width w, block-major
+        pair = torch.repeat_interleave(torch.arange(len(s)), n[s])
+        pi = torch.arange(len(pair)) - (torch.cumsum(n[s], 0) - n[s])[pair]  # token index inside the stream
+        rows = kp.unflatten(1, (-1, 16))[(torch.cumsum(n, 0) - n)[s[pair]] + pi, blk[pair]]
         got = qmod.quantize_pack(rows.to(DEVICE), w, spec.k_group, axis=0, segments=n[s].to(DEVICE))
-        same(got, (layer.t[f"k{w}.codes"], layer.t[f"k{w}.scale"], layer.t[f"k{w}.zero"]))
+        same(got, tuple(layout.k_rows(layer, w)))
     # and V: the kept rows of each class, one call per width
     vf = v.reshape(S, T, D)[s_flat, order[keep]]
     cls = rank.gather(1, order)[keep]
     for c, w in enumerate((2, 4, 8)):
         got = qmod.quantize_pack(vf[cls == c].to(DEVICE), w, spec.v_group)
-        same(got, (layer.t[f"v{w}.codes"], layer.t[f"v{w}.scale"], layer.t[f"v{w}.zero"]))
+        same(got, tuple(layout.v_rows(layer, w)))
 
 
 def test_quantize_pack_raises():
@@ -190,10 +191,10 @@ def test_quant_quantize_pack_dispatches(monkeypatch):
     monkeypatch.setattr(qmod, "quantize_pack", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = rows_data(10, 64, 9)
     monkeypatch.setenv("RDKV_BACKEND", "torch")
-    want = trizone.quantize_pack(x, 2, 32)
+    want = layout.quantize_pack(x, 2, 32)
     assert not calls
     monkeypatch.setenv("RDKV_BACKEND", "triton")
-    same(trizone.quantize_pack(x, 2, 32), want)
+    same(layout.quantize_pack(x, 2, 32), want)
     assert len(calls) == 1
     want = quant.quantize(x.unflatten(-1, (-1, 32)), 2)
     same(want[1:], quant.quantize_pack_torch(x, 2, 32)[1:])

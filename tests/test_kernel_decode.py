@@ -34,9 +34,10 @@ if DEVICE != "cpu" and not torch.cuda.is_available():
     pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
 import rdkv
-from rdkv import RDKVError
+from rdkv import RDKVError, layout
 from rdkv.reference import trizone_attention
-from rdkv.trizone import PackSpec, pack_layer
+from rdkv.layout import PackSpec
+from rdkv.trizone import pack_layer
 
 for _name in ("rdkv.kernels.lse_merge", "rdkv.kernels.trizone_decode"):  # imported earlier without the
     if _name in sys.modules:                                             # interpreter: redecorate
@@ -177,7 +178,7 @@ def test_pre_rope_keys_are_rotated_at_their_positions(seed, T, D, start, G, L, d
     layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix)
     q = query(layer, G, L, dtype)
     plain = kmod.trizone_decode(q, layer, D ** -0.5)
-    layer.t["rope"] = rope_table(D)
+    layout.set_rope_table(layer, rope_table(D))
     got, _ = check(layer, q)
     assert (got.float() - plain.float()).abs().max() > 0.05
 
@@ -185,7 +186,7 @@ def test_pre_rope_keys_are_rotated_at_their_positions(seed, T, D, start, G, L, d
 def test_pre_rope_prefix_with_a_post_rope_fold():
     """A pre-RoPE prefix and a fold packed from zone C (already rotated keys, no table) in one call."""
     layer = build(seed=34, B=1, H=2, T=300, D=64, n_c=0)
-    layer.t["rope"] = rope_table(64)
+    layout.set_rope_table(layer, rope_table(64))
     layer.folds = [build(seed=35, B=1, H=2, T=100, D=64, n_c=0, start=300)]
     layer.c_start = 400
     layer.update(*(torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE) for _ in range(2)))
@@ -247,7 +248,7 @@ def test_bf16_cache_with_fp32_queries_and_other_pack_specs():
     check(layer, query(layer, 2, 3, torch.float16))
     for groups in ((64, 32, 16), (16, 32, 128)):  # a V group size per width class, each path its own
         layer = build(seed=10, B=2, H=1, T=300, D=128, n_c=2, spec=PackSpec(v_group=groups, k_group=64, k_block=16))
-        assert [layer.t[f"v{w}.scale"].shape[1] for w in (2, 4, 8)] == [128 // g for g in groups]
+        assert [layout.v_rows(layer, w).scale.shape[1] for w in (2, 4, 8)] == [128 // g for g in groups]
         check(layer, query(layer, 2, 1, torch.float16))
 
 

@@ -1,6 +1,8 @@
 """record a prefill -> compress -> decode on tiny random-weight models (fast, exact checks)."""
 import pytest
 import torch
+
+from rdkv import layout
 from transformers import DynamicCache
 
 import rdkv
@@ -233,7 +235,7 @@ def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     for h, st in zip(held, [rec.layers[i] for i in range(len(held))]):  # no float32 copy of every layer while compress runs
         assert h.k.dtype == h.v.dtype == dtype and h.v.untyped_storage().data_ptr() == st.value.untyped_storage().data_ptr()
     cache = rdkv.compress(rec, 1.0, **SMALL)
-    assert cache.layers[0].t["vc"].dtype == dtype
+    assert layout.zone_c(cache.layers[0])[1].dtype == dtype
     held = cache.report().totals()
     assert held["v16"] == sum(held[f"v{w}"] for w in (0, 2, 4, 8, 16))  # a 16-bit cache stays 16-bit...
     got, want = model(nxt, past_key_values=cache).logits.float(), model(nxt, past_key_values=full).logits.float()

@@ -3,6 +3,8 @@ import copy
 
 import pytest
 import torch
+
+from rdkv import layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,14 +46,14 @@ def test_prerope_at_full_budget_reproduces_the_full_cache(make):
     cache, got, ref, full = logits_after(make(), ids, 1.0, prerope=True)
     assert (got - ref).abs().max() < 2e-3  # the 16-bit cache: measured ~3e-4
     for layer, plain in zip(cache.layers, full.layers):
-        assert "rope" in layer.t
+        assert layout.rope_table(layer) is not None
         K, _, pos, valid = layer.dequantize()  # rotated back at the kept positions
         keys = plain.keys.flatten(0, 1)  # a sliding layer's plain cache holds only its last positions
         want = keys.gather(1, (pos - (60 - keys.shape[1]))[..., None].expand_as(K))
         assert valid.all()  # budget 1.0 keeps every position
         # budget 1.0 still pays for indices, so a few K blocks drop to 8 bits: half a step of a range < 8
         assert (K - want).abs().max() < 8 / 255 / 2
-        layer.t.pop("rope")
+        layout.set_rope_table(layer, None)
         stored, _, _, _ = layer.dequantize()  # without the table: the keys as packed, before RoPE
         assert (stored - want)[:, 1:].abs().max() > 0.1  # position 0 has angle 0, every later one turns
 
@@ -60,7 +62,7 @@ def test_prerope_cache_saves_loads_and_counts_its_table(tmp_path):
     model = tiny_llama()
     ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(2))
     cache, got, _, _ = logits_after(model, ids, 0.3, prerope=True)  # compress checks the budget itself
-    assert cache.layers[0].t["rope"].numel() == 32 // 2 + 1  # head_dim 32: 16 frequencies and the scaling
+    assert layout.rope_table(cache.layers[0]).numel() == 32 // 2 + 1  # head_dim 32: 16 frequencies and the scaling
     save(cache, tmp_path / "c.safetensors")
     back = load(tmp_path / "c.safetensors")
     nxt = torch.randint(0, 96, (1, 1))
@@ -86,8 +88,8 @@ def test_triton_decode_refuses_a_damaged_rope_table():
     rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 40)))
     layer = rdkv.compress(rec, 0.3, prerope=True, **SMALL).layers[0]
     check(torch.zeros(1, 4, 1, 32), layer, None, None)
-    for bad in (layer.t["rope"][:-1], layer.t["rope"].double()):
-        layer.t["rope"] = bad
+    for bad in (layout.rope_table(layer)[:-1], layout.rope_table(layer).double()):
+        layout.set_rope_table(layer, bad)
         with pytest.raises(rdkv.RDKVError, match="RoPE table"):
             check(torch.zeros(1, 4, 1, 32), layer, None, None)
 

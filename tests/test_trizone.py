@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from rdkv import quant
+from rdkv import layout, quant
 from rdkv.distortion import layer_tables
 from rdkv.errors import RDKVError
 from rdkv.dense import AttentionSums
 from rdkv.reference import trizone_attention
-from rdkv.trizone import PackSpec, fixed_bytes, k_block_bytes, pack_layer, v_row_bytes
+from rdkv.layout import PackSpec, fixed_bytes, k_block_bytes, v_row_bytes
+from rdkv.trizone import pack_layer
 
 SPEC = PackSpec(v_group=16, k_group=8, k_block=16)
 PER_WIDTH = PackSpec(v_group=(32, 16, 8), k_group=8, k_block=16)  # a V group size per width (2, 4, 8 bits)
@@ -137,8 +138,8 @@ def test_decode_equals_dense_attention_over_the_dequantized_cache(L):
     for b in range(B):
         for h in range(H):
             s = b * H + h
-            Kall = torch.cat([K[s][valid[s]], layer.t["kc"][b, h].float()])
-            Vall = torch.cat([V[s][valid[s]], layer.t["vc"][b, h].float()])
+            Kall = torch.cat([K[s][valid[s]], layout.zone_c(layer)[0][b, h].float()])
+            Vall = torch.cat([V[s][valid[s]], layout.zone_c(layer)[1][b, h].float()])
             kpos = torch.cat([pos[s][valid[s]], torch.arange(T, seq)])
             for gi in range(G):
                 qq = q[b, h * G + gi].float()
@@ -159,7 +160,7 @@ def test_compressed_cache_holds_what_its_allocation_is_charged(method, options):
     cache = rdkv.compress(rec, 0.3 if method != "kivi2" else None, method=method,
                           **({} if method == "kivi2" else SMALL), **options)
     spec = cache.layers[0].spec
-    want = sum(charged(spec, layer.v_widths(), layer.t["k_bits"].long().view(layer.batch, layer.heads, -1),
+    want = sum(charged(spec, layer.v_widths(), layout.k_bits(layer).long().view(layer.batch, layer.heads, -1),
                        layer.prefix_len) for layer in cache.layers)
     if options.get("prerope"):
         want += len(cache.layers) * rdkv.rope.rope_bytes(cache.layers[0].head_dim)

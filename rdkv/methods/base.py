@@ -8,7 +8,7 @@ import torch
 
 from ..errors import RDKVError
 from ..records import LayerStats, Record
-from ..trizone import PackSpec
+from ..layout import PackSpec
 
 
 class HeldLayer(NamedTuple):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import quant
 from ..records import Record
 from ..solvers.mckp import Infeasible
-from ..trizone import fixed_bytes, fp16_token_bytes
+from ..layout import fixed_bytes, fp16_token_bytes
 from ..weights import layer_sums
 from .base import Allocation, HeldLayer, Method, identity_perm
 

@@ -14,7 +14,7 @@ import torch
 from .. import quant
 from ..errors import RDKVError
 from ..records import Record
-from ..trizone import PackSpec
+from ..layout import PackSpec
 from .base import Allocation, HeldLayer, Method, identity_perm
 
 
