@@ -23,11 +23,12 @@ Inside a zone A+B program
     a ``rope`` table) take two dots per block instead, against the block rotated to each token's position
     (``_rope_dot``); their width-0 blocks are rotated means, so they are scored per tile, not as a constant.
 
-The launcher derives the small per-stream offset tables (class starts, row bases of every (block,
-stream) K pair, work items) from ``v_counts`` and ``k_bits`` with a few vectorised torch ops. They are
-kept in a side cache keyed by the identity of the layer's ``v_counts`` tensor (dropped when that tensor
-dies), never in the layer, so the layer's ``nbytes`` stays exactly what the cache holds; they are a few
-integers per stream and K block.
+The device code is :mod:`rdkv.kernels.device.trizone_decode`. The launcher reads a segment through
+:mod:`rdkv.layout` only: its tensors width by width (the kernel's arguments follow ``quant.WIDTHS`` and the V
+classes) and its offsets (:func:`rdkv.layout.plan`), to which it adds the work items of a ``split``. They are kept
+in a side cache keyed by the identity of the segment's class-count tensor (dropped when that tensor dies), never in
+the layer, so the layer's ``nbytes`` stays exactly what the cache holds; they are a few integers per stream and K
+block.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 On a small model a decode step is a few hundred torch ops per layer on kilobytes to megabytes, and on a CPU
 each op costs microseconds before it touches any data: at 4k tokens the ops' fixed cost is as large as the
 work on the data. So the layout's bookkeeping (which stored rows hold each stream's tokens and channel
-blocks) runs in numpy on the small count and width tables, and the data take a fixed handful of torch ops
+blocks) is read from the segment's plan in numpy, and the data take a fixed handful of torch ops
 per stored tensor, whatever the number of streams, tokens or channel blocks:
 
 * keys are dequantized per (channel block, stream) pair, in storage order: each pair's rows are one window
@@ -23,7 +23,8 @@ The megabytes a layer dequantizes go into scratch buffers that the layers of one
 (:func:`scratch`; a layer's values overwrite its keys) instead of allocating them anew in every layer.
 :func:`free_scratch` drops them after the last layer, so nothing is kept between steps: the cache's bytes
 are what ``nbytes`` counts. :func:`key_scores`, :func:`read_values` and :func:`add_values` (and the C functions
-they call) are the only functions here that know the packed layout. The threads a step runs on are the
+they call) are the only functions here that read a packed segment, through :mod:`rdkv.layout`'s accessors and its
+plan of offsets (built once per segment, so a step recomputes none of them). The threads a step runs on are the
 caller's (a model's pass through the cache takes those other work leaves free, :mod:`rdkv.contention`).
 """
 from __future__ import annotations

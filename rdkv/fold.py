@@ -4,7 +4,7 @@ Zone C keeps every token appended after compression in 16 bits. Under a :class:`
 layer's zone C holds ``every + keep`` tokens, its oldest ``every`` tokens are allocated and packed the
 way ``compress`` treats a prefill, priced by the RDKV method the cache was compressed with
 (:meth:`rdkv.methods.RDKV.fold`): weights from the last ``window`` queries (here decode queries, which the
-layer keeps in ``t["qwin"]`` and counts in its bytes), one knapsack for the layer whose budget is ``budget`` x
+layer keeps (:func:`rdkv.layout.decode_queries`) and counts in its bytes), one knapsack for the layer whose budget is ``budget`` x
 the fp16 bytes of the folded tokens. The newest ``keep`` tokens stay in 16
 bits. Each layer folds itself during the decode step that fills its zone C, so every layer folds on the same
 step.

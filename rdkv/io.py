@@ -31,6 +31,7 @@ import torch
 import safetensors.torch
 from safetensors import SafetensorError
 
+from . import layout
 from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
 from .layout import POSITION_LIMIT, PackSpec, check_layout
@@ -266,7 +267,7 @@ def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZone
                 end = f["end"]
             layer.c_start = lay["c_start"]
             _number("c_start", layer.c_start, end if layer.folds else lay["prefix_len"],
-                    POSITION_LIMIT - t["kc"].shape[2])
+                    POSITION_LIMIT - layout.zone_c(layer)[0].shape[2])
             if layer.c_start != end and (layer.folds or layer.sliding_window is None):
                 # only a sliding-window layer drops folds (those no query can see any more)
                 raise ValueError(f"zone C starts at {layer.c_start}, not where what precedes it ends ({end})")

@@ -350,6 +350,7 @@ def plan(seg: TriZoneLayer) -> Plan:
 
 _COUNTS, _POS, _K_PERM, _K_BITS, _ROPE = "v_counts", "pos", "k_perm", "k_bits", "rope"
 _KC, _VC, _QWIN = "kc", "vc", "qwin"
+INDEX_TENSORS = (_COUNTS, _K_BITS, _K_PERM, _POS)  # the integer tables every offset derives from (a file fuzzer's targets)
 
 
 class Stored(NamedTuple):

@@ -3,10 +3,10 @@
 RoPE rotates channel pairs (c, c + D/2) by position-dependent angles, so a channel's post-RoPE values
 mix two pre-RoPE channels with a phase that changes token by token; per-channel outlier structure is
 cleaner before it. The ``prerope`` option un-rotates the cached keys, allocates and packs them in that
-space, stores the layer's rotary frequencies (``t["rope"]``: inv_freq, then the attention scaling, float32,
+space, stores the layer's rotary frequencies (:func:`rdkv.layout.rope_table`: inv_freq, then the attention scaling, float32,
 counted in ``nbytes``) and rotates the dequantized keys back at their positions on every decode step: the
 torch path rotates the keys (:func:`rotate`), the Triton kernel rotates each channel block inside its dots
-(``rdkv.kernels.trizone_decode._rope_dot``).
+(``rdkv.kernels.device.trizone_decode._rope_dot``).
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rdkv
+from rdkv import layout
 from rdkv.compat import cache_kwargs
 from rdkv.io import _checksum, _write
 from rdkv.kernels import cpu_dequant
@@ -94,7 +95,7 @@ def outcome(model, path, want: dict) -> str:
 
 SCALARS = ("batch", "heads", "head_dim", "start", "prefix_len", "c_start", "sliding_window")
 SPEC = ("v_group", "k_group", "k_block")
-TABLES = ("v_counts", "k_bits", "k_perm", "pos")
+TABLES = layout.INDEX_TENSORS
 
 
 def mutations(x, rng: random.Random) -> list:
