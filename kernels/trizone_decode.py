@@ -58,10 +58,9 @@ class Tables:
     tok0: torch.Tensor  # [S] int64 first kept token of each stream (index into the positions)
     vcls: torch.Tensor  # [S, 5] int32 class boundaries inside the stream (0, c2, c2+c4, ..., n)
     vbase: torch.Tensor  # [S, 4] int64 row of token i of class c among class c's rows is vbase[s, c] + i
-    kord: torch.Tensor  # [S, NB] int32 permuted block indices sorted by width
-    krow: torch.Tensor  # [S, NB] int64 row base (pair index for width 0) per entry of kord
-    kgrp: torch.Tensor  # [S, NB] int64 scale/zero group base per entry of kord
-    kcls: torch.Tensor  # [S, 6] int32 boundaries of widths 0,2,4,8,16 inside kord
+    krow: torch.Tensor  # [S, NB] int64 row base (pair index for width 0) of each block (sorted by width)
+    kgrp: torch.Tensor  # [S, NB] int64 scale/zero group base of each block
+    kcls: torch.Tensor  # [S, 6] int32 boundaries of widths 0,2,4,8,16 along the blocks
     wi_s: torch.Tensor  # [n_ab] int32 stream of each zone A+B work item
     wi_lo: torch.Tensor  # [n_ab] int32 first token of each work item
     ab_first: torch.Tensor  # [S] int32 first work item of each stream
@@ -85,8 +84,7 @@ def build_tables(layer: TriZoneLayer, split: int) -> Tables:
     wi_s = torch.repeat_interleave(torch.arange(S, device=dev), chunks)
     ab_first = _excl(chunks)
     wi_lo = (torch.arange(n_ab, device=dev) - ab_first[wi_s]) * split
-    return Tables(p.tok0, p.class_start.to(i32), p.class_row0 - p.class_start[:, :4], p.block_order.to(i32),
-                  p.block_row0, p.block_group0, p.block_width_start.to(i32), wi_s.to(i32), wi_lo.to(i32),
+    return Tables(p.tok0, p.class_start.to(i32), p.class_row0 - p.class_start[:, :4], p.block_row0, p.block_group0, p.block_width_start.to(i32), wi_s.to(i32), wi_lo.to(i32),
                   ab_first.to(i32), chunks.to(i32), n_ab, split)
 
 
@@ -244,6 +242,7 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     G, S = Hq // H, B * H
     spec = layer.spec
     GL = G * L
+    rows = query.reshape(S, GL, D)  # query rows of each stream, head-major (g * L + l), as the kernel numbers them
     block_m = block_m_for(GL, query.dtype)
     m_blocks = -(-GL // block_m)
     cfg = launch_config(D, block_m, query.dtype, override=launch)
@@ -273,12 +272,14 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     for j, (seg, tab, off, size) in enumerate(zip(segs, tabs, offs, sizes)):
         if not size:
             continue
-        rope = layout.rope_table(seg)
+        rope, perm = layout.rope_table(seg), layout.k_perm(seg)
         seg_cfg = launch_config(D, block_m, query.dtype, rope is not None, launch)
+        # the query rows of each stream in its packed channel order, once per step (pre-RoPE keys rotate q instead)
+        qp = query if rope is not None else rows.gather(2, perm.long().unsqueeze(1).expand(S, GL, D))
         _trizone_attn[(size, m_blocks)](
-            query, *query.stride(), part[off:], lse[off:],
-            layout.positions(seg), layout.k_perm(seg), tab.tok0, tab.vcls, tab.vbase, tab.kord, tab.krow, tab.kgrp,
-            tab.kcls, tab.wi_s, tab.wi_lo,
+            query, *query.stride(), qp, part[off:], lse[off:],
+            layout.positions(seg), perm, tab.tok0, tab.vcls, tab.vbase, tab.krow, tab.kgrp, tab.kcls, tab.wi_s,
+            tab.wi_lo,
             *_stored(seg, layout.k_rows, quant.WIDTHS), *_stored(seg, layout.v_rows, V_CLASSES),
             kc, *kc.stride(), vc, *vc.stride(), *mask_args, _nonempty(rope, torch.float32, dev),
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,

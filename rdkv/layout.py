@@ -274,10 +274,9 @@ class Plan:
     pair_row0: torch.Tensor  # [P] first stored row among its width's rows
     pair_group0: torch.Tensor  # [P] first scale/zero group among its width's groups
     width_pairs: torch.Tensor  # [6] pairs of width WIDTHS[i] are [width_pairs[i], width_pairs[i + 1]) (CPU)
-    block_order: torch.Tensor  # [S, NB] a stream's blocks sorted by width (the identity for a packed layout)
-    block_row0: torch.Tensor  # [S, NB] pair_row0 of the stream's j-th block in block_order
+    block_row0: torch.Tensor  # [S, NB] pair_row0 of each stream's blocks
     block_group0: torch.Tensor  # [S, NB] pair_group0 likewise
-    block_width_start: torch.Tensor  # [S, 6] boundaries of each width along block_order
+    block_width_start: torch.Tensor  # [S, 6] boundaries of each width along a stream's blocks (sorted by width)
     k_group: int
 
     @classmethod
@@ -286,8 +285,8 @@ class Plan:
         (S, NB), dev = k_bits.shape, k_bits.device
         n = counts.sum(1)
         widx = quant.option_of(k_bits)
-        if (widx < 0).any():
-            raise RDKVError(f"k_bits holds widths outside {quant.WIDTHS}: the layer is corrupt")
+        if (widx < 0).any() or (widx[:, 1:] < widx[:, :-1]).any():
+            raise RDKVError(f"k_bits must hold widths in {quant.WIDTHS}, sorted along each stream: the layer is corrupt")
         blocks = torch.arange(NB, device=dev)
         order = ((widx * NB + blocks) * S + torch.arange(S, device=dev).unsqueeze(1)).flatten().argsort()
         pair_stream, pair_block = order // NB, order % NB
@@ -300,14 +299,13 @@ class Plan:
         row0, group0 = row0 - row0[first], group0 - group0[first]
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order), device=dev)  # (stream * NB + block) -> storage index
-        block_order = (widx * NB + blocks).argsort(1)
-        at = where.view(S, NB).gather(1, block_order)
+        at = where.view(S, NB)
         width_start = torch.cat([torch.zeros(S, 1, dtype=torch.long, device=dev),
                                  torch.nn.functional.one_hot(widx, 5).sum(1).cumsum(1)], 1)
         cstart = _excl(counts, 1)
         return cls(counts, n, _excl(n), torch.cat([cstart, n.unsqueeze(1)], 1), _excl(counts, 0),
                    torch.tensor(quant.WIDTHS, device=dev)[pwidx], pair_stream, pair_block, row0, group0, width_pairs,
-                   block_order, row0[at], group0[at], width_start, k_group)
+                   row0[at], group0[at], width_start, k_group)
 
     @cached_property
     def host(self) -> Plan:
@@ -490,10 +488,14 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
 def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
          spec: PackSpec, dtype16: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors of one packed segment (no zone C) for k, v [S, T, D] float32 at absolute positions
-    start..start+T-1, V widths per token [S, T] in {0, 2, 4, 8, 16}, K widths per permuted block [S, D/k_block]
-    and the channel order [S, D]."""
+    start..start+T-1, V widths per token [S, T] in {0, 2, 4, 8, 16}, K widths per block [S, D/k_block] of the
+    channel order [S, D]. The blocks are stored sorted by width (stable), so each stream's blocks of one width are
+    consecutive and a decode visits them in storage order."""
     S, T, D = k.shape
     dev, kb = k.device, spec.k_block
+    order = bits.argsort(dim=-1, stable=True)
+    perm = perm.unflatten(-1, (-1, kb)).gather(1, order.unsqueeze(-1).expand(-1, -1, kb)).flatten(-2)
+    bits = bits.gather(-1, order)
     rank = torch.full_like(v_width, len(V_CLASSES))
     for c, w in enumerate(V_CLASSES):
         rank[v_width == w] = c

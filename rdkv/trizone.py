@@ -118,7 +118,8 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
                k_perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
                prefix_len: int) -> TriZoneLayer:
     """Pack k, v [B, H, T, D] (absolute positions start..start+T-1) given widths per V token
-    [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D]."""
+    [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D] (the blocks are stored
+    sorted by width, :func:`rdkv.layout.pack`)."""
     B, H, T, D = k.shape
     S = B * H
     t = layout.pack(k.reshape(S, T, D).float(), v.reshape(S, T, D).float(), start, v_width.reshape(S, T),
@@ -133,14 +134,9 @@ def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tenso
                 perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
                 prefix_len: int) -> TriZoneLayer:
     """Pack an allocation given as option indices into ``quant.WIDTHS`` (V per token [B, H, T], K per
-    block [B, H, nb] in the channel order ``perm`` [B, H, D]); K blocks are reordered so each width
-    class is contiguous."""
+    block [B, H, nb] in the channel order ``perm`` [B, H, D])."""
     widths = torch.tensor(quant.WIDTHS, device=k.device)
-    kbits = widths[k_opt]
-    order = kbits.argsort(dim=-1, stable=True)
-    perm = perm.unflatten(-1, (-1, spec.k_block)).gather(2, order.unsqueeze(-1).expand(-1, -1, -1, spec.k_block))
-    return pack_layer(k, v, start, widths[v_opt], kbits.gather(-1, order), perm.flatten(-2), spec, dtype16,
-                      sliding_window, prefix_len)
+    return pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, dtype16, sliding_window, prefix_len)
 
 
 SIGNATURE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",

@@ -46,14 +46,15 @@ def test_plan_matches_what_the_tensors_hold():
     assert layout.plan(layer) is p  # built once
     S, n = B * H, (vw > 0).reshape(B * H, T).sum(1)
     assert torch.equal(p.n, n) and p.n[5] == 0
-    bits = kb.reshape(S, -1)
+    bits = layout.k_bits(layer).long()
+    assert (bits[:, 1:] >= bits[:, :-1]).all()  # stored sorted by width, whatever order the blocks came in
+    assert torch.equal(layer.k_widths(), kb.repeat_interleave(16, -1).gather(-1, perm.argsort(-1)))
     for s in range(S):
-        order = p.block_order[s].tolist()
-        assert bits[s, order].tolist() == sorted(bits[s].tolist())  # blocks visited by width
-        for j, blk in enumerate(order):  # the j-th block's offsets are its own pair's
+        for blk in range(D // 16):  # each block's offsets are its own pair's
             pair = ((p.pair_stream == s) & (p.pair_block == blk)).nonzero().item()
-            assert (p.block_row0[s, j], p.block_group0[s, j]) == (p.pair_row0[pair], p.pair_group0[pair])
+            assert (p.block_row0[s, blk], p.block_group0[s, blk]) == (p.pair_row0[pair], p.pair_group0[pair])
             assert p.pair_width[pair] == bits[s, blk]
+        assert p.block_width_start[s].tolist() == [0] + [int((bits[s] <= w).sum()) for w in quant.WIDTHS]
     for w in quant.WIDTHS:
         stored, tok = layout.k_rows(layer, w), p.k_tokens(w)
         pairs = int(p.width_pairs[quant.OPTION[w] + 1] - p.width_pairs[quant.OPTION[w]])

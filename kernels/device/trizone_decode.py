@@ -23,11 +23,10 @@ _max = tl.standard._elementwise_max
 
 
 @triton.jit
-def _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB: tl.constexpr, D: tl.constexpr, sqd, DOT: tl.constexpr):
-    """q rows [BLOCK_M, KB] at the channels of permuted block ``blk`` of stream ``s``."""
-    c = tl.arange(0, KB)
-    ch = tl.load(perm_ptr + s * D + blk * KB + c).to(tl.int64)
-    return tl.load(q_row_ptrs[:, None] + ch[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+def _q_block(qp_rows, row_ok, blk, KB: tl.constexpr):
+    """q rows [BLOCK_M, KB] at the channels of block ``blk``: ``qp_rows`` point at the program's query rows already
+    in the stream's permuted channel order (the launcher permutes q once per step), so a block is contiguous."""
+    return tl.load(qp_rows[:, None] + (blk * KB + tl.arange(0, KB))[None, :], mask=row_ok[:, None], other=0.0)
 
 
 @triton.jit
@@ -70,26 +69,27 @@ def _dequant(code, scale, zero, DOT: tl.constexpr):
 
 
 @triton.jit
-def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
-              kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
+def _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base,
+              krow_ptr, kgrp_ptr, kcls_ptr,
               codes_ptr, scale_ptr, zero_ptr, sqd,
               W: tl.constexpr, WI: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, NB: tl.constexpr,
               K_GROUP: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, BLOCK_N: tl.constexpr,
               ROPE: tl.constexpr, kposf, rope_ptr):
     """Add q . K over the K blocks of width ``W`` (class index ``WI`` in 0,2,4,8,16) to ``scores``.
 
-    ``i`` [BLOCK_N] are the tile's token indices inside the stream (int32). Codes are dequantized first
+    ``i`` [BLOCK_N] are the tile's token indices inside the stream (int32). A stream's blocks are stored sorted by
+    width, so the blocks of width W are the consecutive run ``kcls[s, WI:WI + 2]``. Codes are dequantized first
     (:func:`_dequant`), then dotted in the query dtype. Addresses are a scalar int64 base per block plus int32
-    offsets per element. (Loading a tile's at most two scale groups as two [KB] vectors and selecting per token
-    compiled to more instructions than this per-element gather: 1,326 against 1,099 per tile.)
+    offsets per element. Scales and zeros are gathered per element, in the codes' register layout: a tile's one or
+    two groups loaded as [KB] vectors need a layout change to broadcast over the tokens, which costs more
+    (docs/kernels.md, "Bandwidth model").
     ``ROPE``: the keys were packed before RoPE; each dequantized block is rotated to the tile's positions
     ``kposf`` (:func:`_rope_dot`), width-0 blocks (the channel means, ``codes_ptr``) included."""
     j_lo = tl.load(kcls_ptr + s * 6 + WI)
     j_hi = tl.load(kcls_ptr + s * 6 + WI + 1)
     c = tl.arange(0, KB)
-    for j in range(j_lo, j_hi):
-        blk = tl.load(kord_ptr + tab_base + j)
-        row0 = tl.load(krow_ptr + tab_base + j)  # int64 row of this (block, stream) pair's token 0
+    for blk in range(j_lo, j_hi):
+        row0 = tl.load(krow_ptr + tab_base + blk)  # int64 row of this (block, stream) pair's token 0
         if W == 0:  # only with ROPE: a mean's score depends on the position it is rotated to
             mean = tl.load(codes_ptr + row0 * KB + c).to(tl.float32)
             kt = tl.where(tok_ok[None, :], mean[:, None], 0.0)
@@ -100,7 +100,7 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
                 scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
                                    KB, D, sqd, DOT, PREC)
             else:
-                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+                qb = _q_block(qp_rows, row_ok, blk, KB)
                 scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
         else:
             # packed bytes [RB, BN] unpacked in registers to [RB, PER, BN] -> [KB, BN] (channel = byte * PER + k)
@@ -110,7 +110,7 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
             byte = tl.load(codes_ptr + row0 * RB + (i[None, :] * RB + rb[:, None]), mask=tok_ok[None, :], other=0)
             sh = tl.arange(0, PER) * W
             code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [KB, BLOCK_N])
-            gbase = tl.load(kgrp_ptr + tab_base + j)  # int64 first scale/zero group of the pair
+            gbase = tl.load(kgrp_ptr + tab_base + blk)  # int64 first scale/zero group of the pair
             sz = gbase * KB + ((i // K_GROUP)[None, :] * KB + c[:, None])
             sc = tl.load(scale_ptr + sz, mask=tok_ok[None, :], other=0.0)
             zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0)
@@ -120,7 +120,7 @@ def _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base,
                                    DOT, PREC)
             else:
                 kt = _dequant(code, sc, zp, DOT)
-                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT)
+                qb = _q_block(qp_rows, row_ok, blk, KB)
                 scores += tl.dot(qb.to(DOT), kt, input_precision=PREC)
     return scores
 
@@ -163,9 +163,9 @@ def _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, sm
 
 @triton.jit
 def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
-              q_row_ptrs, row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base,
+              q_row_ptrs, qp_rows, row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base,
               pos_ptr, mask_ptr, smb, sml, smk, q_l,
-              kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
+              krow_ptr, kgrp_ptr, kcls_ptr,
               k0m, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
               vc_ptr, vs_ptr, vz_ptr, sqd, window, softcap,
               VW: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
@@ -216,19 +216,19 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
         kposf = kpos.to(tl.float32)
         scores = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
         if ROPE:  # without it, width-0 blocks are the constant ``bias``
-            scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+            scores = _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base, krow_ptr,
                                kgrp_ptr, kcls_ptr, k0m, k0m, k0m, sqd, 0, 0, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                                ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base, krow_ptr,
                            kgrp_ptr, kcls_ptr, k2c, k2s, k2z, sqd, 2, 1, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base, krow_ptr,
                            kgrp_ptr, kcls_ptr, k4c, k4s, k4z, sqd, 4, 2, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base, krow_ptr,
                            kgrp_ptr, kcls_ptr, k8c, k8s, k8z, sqd, 8, 3, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
-        scores = _k_scores(scores, q_row_ptrs, row_ok, perm_ptr, s, i, tok_ok, tab_base, kord_ptr, krow_ptr,
+        scores = _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_base, krow_ptr,
                            kgrp_ptr, kcls_ptr, k16, k16, k16, sqd, 16, 4, KB, D, NB, K_GROUP, DOT, PREC, BLOCK_N,
                            ROPE, kposf, rope_ptr)
         scores = scores * scale2 + bias[:, None]  # base-2 units; q stays exactly as given
@@ -279,10 +279,10 @@ def _ab_class(m_i, l_i, acc, lo, hi, c_lo, c_hi, vbase,
 
 @triton.jit(do_not_specialize=["n_ab", "n_c", "c_chunks", "c_start", "seq_len", "window"])
 def _trizone_attn(
-    q_ptr, sqb, sqh, sql, sqd,
+    q_ptr, sqb, sqh, sql, sqd, qp_ptr,
     out_ptr, lse_ptr,
     pos_ptr, perm_ptr, tok0_ptr, vcls_ptr, vbase_ptr,
-    kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr,
+    krow_ptr, kgrp_ptr, kcls_ptr,
     wi_s_ptr, wi_lo_ptr,
     k0m, k2c, k2s, k2z, k4c, k4s, k4z, k8c, k8s, k8z, k16,
     v2c, v2s, v2z, v4c, v4s, v4z, v8c, v8s, v8z, v16,
@@ -318,16 +318,16 @@ def _trizone_attn(
         tok0 = tl.load(tok0_ptr + s)  # int64 index of the stream's first kept token
         hi = tl.minimum(lo + SPLIT, tl.load(vcls_ptr + s * 5 + 4))
         q_row_ptrs = q_ptr + b * sqb + (h * G + g).to(tl.int64) * sqh + q_l * sql
+        qp_rows = qp_ptr + (s * GL + m).to(tl.int64) * D  # q permuted per stream [S, GL, D] (not with ROPE)
         tab_base = s * NB
         # width-0 K blocks: every kept token has the channel means, a constant score per query row
         # (unless ROPE rotates the means to each token's position: then _k_scores adds them per tile)
         bias = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         if not ROPE:
             cK = tl.arange(0, KB)
-            for j in range(tl.load(kcls_ptr + s * 6), tl.load(kcls_ptr + s * 6 + 1)):
-                blk = tl.load(kord_ptr + tab_base + j)
-                row0 = tl.load(krow_ptr + tab_base + j)
-                qb = _q_block(q_row_ptrs, row_ok, perm_ptr, s, blk, KB, D, sqd, DOT).to(tl.float32)
+            for blk in range(tl.load(kcls_ptr + s * 6), tl.load(kcls_ptr + s * 6 + 1)):
+                row0 = tl.load(krow_ptr + tab_base + blk)
+                qb = _q_block(qp_rows, row_ok, blk, KB).to(tl.float32)
                 mean = tl.load(k0m + row0 * KB + cK).to(tl.float32)
                 bias += tl.reduce(qb * mean[None, :], 1, _add)
             bias = bias * scale2
@@ -342,8 +342,8 @@ def _trizone_attn(
                 vc, vs, vz = v16, v16, v16
             m_i, l_i, acc = _ab_class(m_i, l_i, acc, lo, hi, tl.load(vcls_ptr + s * 5 + c),
                                       tl.load(vcls_ptr + s * 5 + c + 1), tl.load(vbase_ptr + s * 4 + c), q_row_ptrs,
-                                      row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base, pos_ptr, mask_ptr, smb, sml,
-                                      smk, q_l, kord_ptr, krow_ptr, kgrp_ptr, kcls_ptr, k0m, k2c, k2s, k2z, k4c, k4s,
+                                      qp_rows, row_ok, q_pos, bias, perm_ptr, s, b, tok0, tab_base, pos_ptr, mask_ptr,
+                                      smb, sml, smk, q_l, krow_ptr, kgrp_ptr, kcls_ptr, k0m, k2c, k2s, k2z, k4c, k4s,
                                       k4z, k8c, k8s, k8z, k16, vc, vs, vz, sqd, window, softcap, 2 << c, KB, D, D_PAD,
                                       NB, K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP,
                                       BLOCK_M, scale2, ROPE, rope_ptr)
