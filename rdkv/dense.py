@@ -66,7 +66,10 @@ def attend(
 
     Runs in query chunks so the score tensor never exceeds ``elements``. ``mask`` is an optional
     bool [B, 1, q, Tk] (True = may attend) combined with causality from the positions. Queries that may
-    attend to nothing (left padding) get a zero output and contribute nothing to the sums.
+    attend to nothing (left padding) get a zero output and contribute nothing to the sums. When the key positions
+    are one ascending run (every caller's), a chunk reads only the keys causality and the window let it see: a
+    causal pass costs half the scores of a full one, and a sliding-window layer's cost grows with the window,
+    not with the context.
     """
     B, Hq, L, D = q.shape
     H, Tk = k.shape[1], k.shape[2]
@@ -76,16 +79,34 @@ def attend(
     sums = AttentionSums(
         mass=kf.new_zeros(B, H, Tk), mass2=kf.new_zeros(B, H, Tk), q2=kf.new_zeros(B, H, D), nq=kf.new_zeros(B))
     chunk = max(1, elements // max(1, B * Hq * Tk))
-    for a in range(0, L, chunk):
+    starts = range(0, L, chunk)
+    for a, (lo, hi) in zip(starts, _key_ranges(q_pos, k_pos, window, starts, chunk)):
         qc = q[:, :, a : a + chunk].float().unflatten(1, (H, G))  # [B, H, G, c, D]
-        p, ok = probabilities(qc, kf, q_pos[a : a + chunk], k_pos, scaling, window, softcap,
-                              None if mask is None else mask[:, :, a : a + chunk])
-        o = torch.einsum("bhgqk,bhkd->bhgqd", p, vf)
+        if hi <= lo:  # the chunk sees no key
+            out[:, :, a : a + chunk] = 0
+            continue
+        p, ok = probabilities(qc, kf[:, :, lo:hi], q_pos[a : a + chunk], k_pos[lo:hi], scaling, window, softcap,
+                              None if mask is None else mask[:, :, a : a + chunk, lo:hi])
+        o = torch.einsum("bhgqk,bhkd->bhgqd", p, vf[:, :, lo:hi])
         out[:, :, a : a + chunk] = o.flatten(1, 2).to(out.dtype)
         live = ok.any(-1)  # [B, 1|H, 1|G, c] query attends to something
         live = live.expand(B, H, G, live.shape[-1])
-        sums.mass += p.sum((2, 3))
-        sums.mass2 += p.square().sum((2, 3))
+        sums.mass[..., lo:hi] += p.sum((2, 3))
+        sums.mass2[..., lo:hi] += p.square().sum((2, 3))
         sums.q2 += (qc.square() * live.unsqueeze(-1)).sum((2, 3))
         sums.nq += live[:, 0].sum((1, 2))
     return out, sums
+
+
+def _key_ranges(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, starts: range,
+                chunk: int) -> list[tuple[int, int]]:
+    """[lo, hi) of the keys each query chunk may see, when the key positions ascend (else every key): keys up to
+    the chunk's last query and, with a window, from its first query's window on. One host sync."""
+    Tk = k_pos.shape[-1]
+    if k_pos.dim() != 1 or q_pos.dim() != 1 or Tk < 2 or not bool((k_pos[1:] >= k_pos[:-1]).all()):
+        return [(0, Tk)] * len(starts)
+    first = torch.stack([q_pos[a : a + chunk].amin() for a in starts])
+    last = torch.stack([q_pos[a : a + chunk].amax() for a in starts])
+    lo = torch.searchsorted(k_pos, first - window + 1) if window is not None else torch.zeros_like(first)
+    hi = torch.searchsorted(k_pos, last, right=True)
+    return list(zip(lo.tolist(), hi.tolist()))

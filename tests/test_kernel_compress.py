@@ -128,7 +128,7 @@ def test_quantize_cols_reproduces_pack_layer():
     spec = PackSpec(v_group=32, k_group=7, k_block=16)
     k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
     vw = torch.tensor([0, 2, 4, 8, 16])[torch.randint(0, 5, (B, H, T), generator=g)]
-    kb = torch.tensor([2, 4, 8, 16])[torch.randint(0, 4, (B, H, D // 16), generator=g)]
+    kb = torch.tensor([2, 4, 8, 16])[torch.randint(0, 4, (B, H, D // 16), generator=g)].sort(-1).values  # as stored
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
     layer = pack_layer(k, v, 0, vw, kb, perm, spec, torch.float16, None, T)
     # pack_layer's own row order: kept tokens by class then position, K channels permuted

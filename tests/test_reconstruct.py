@@ -11,11 +11,22 @@ from rdkv.reconstruct import reconstruct
 RECON = RDKV(weights=Weights(form="reconstruct"))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "attend"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
-def test_sums_are_the_repetition_queries_sums(make):
+def test_sums_are_the_repetition_queries_sums(make, fused, monkeypatch):
     """Oracle: record the context and then the same tokens again, continued through the DynamicCache with every
     query's sums streamed; minus the context's own sums, that is what the repetition paid each context key.
-    Gemma 3's sliding-window layers (window 16) see only their window."""
+    Gemma 3's sliding-window layers (window 16) see only their window. Both paths: torch's fused CPU attention
+    with its log-sum-exp (the default on a CPU), and rdkv.dense.attend (elsewhere)."""
+    import rdkv.reconstruct as recon_module
+
+    assert recon_module._FLASH_CPU is not None  # this torch has it: the fused case tests it
+    calls = []
+    if fused:
+        fast = recon_module._repeat_attention
+        monkeypatch.setattr(recon_module, "_repeat_attention", lambda *a, **k: calls.append(1) or fast(*a, **k))
+    else:
+        monkeypatch.setattr(recon_module, "_FLASH_CPU", None)
     model = make()
     ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(1))
     rec, _ = recorded(model, ids)
@@ -33,6 +44,7 @@ def test_sums_are_the_repetition_queries_sums(make):
         torch.testing.assert_close(st.recon.mass2, want_mass2, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(st.recon.q2, both.layers[i].sums.q2 - first.layers[i].sums.q2, rtol=1e-4, atol=1e-3)
         assert st.recon.mass.sum() > 0
+    assert len(calls) == (len(rec.layers) if fused else 0)
 
 
 def test_compress_runs_the_pass_once_and_weighs_by_it():
