@@ -80,7 +80,7 @@ def attend(
         mass=kf.new_zeros(B, H, Tk), mass2=kf.new_zeros(B, H, Tk), q2=kf.new_zeros(B, H, D), nq=kf.new_zeros(B))
     chunk = max(1, elements // max(1, B * Hq * Tk))
     starts = range(0, L, chunk)
-    for a, (lo, hi) in zip(starts, _key_ranges(q_pos, k_pos, window, starts, chunk)):
+    for a, (lo, hi) in zip(starts, key_ranges(q_pos, k_pos, window, starts, chunk)):
         qc = q[:, :, a : a + chunk].float().unflatten(1, (H, G))  # [B, H, G, c, D]
         if hi <= lo:  # the chunk sees no key
             out[:, :, a : a + chunk] = 0
@@ -98,7 +98,7 @@ def attend(
     return out, sums
 
 
-def _key_ranges(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, starts: range,
+def key_ranges(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, starts: range,
                 chunk: int) -> list[tuple[int, int]]:
     """[lo, hi) of the keys each query chunk may see, when the key positions ascend (else every key): keys up to
     the chunk's last query and, with a window, from its first query's window on. One host sync."""

@@ -9,8 +9,10 @@ lot. rdkv feeds the context again with no instruction before it: a repeated sequ
 copy from, and no tokenizer or chat template is needed.
 
 The pass is a second forward over the context's T tokens with the prefill's keys in front (positions T..2T-1),
-about the cost of one more prefill plus its attention over 2T keys; it runs through rdkv's chunked exact
-attention (:func:`rdkv.dense.attend`), so it never forms a T x T tensor. Its sums over the T repetition queries
+about the cost of one more prefill plus its attention over 2T keys, in query chunks, so it never forms a T x T
+tensor: on a CPU the output and each query's log-sum-exp come from torch's fused attention and only the record's
+keys are scored again for the sums (:func:`_repeat_attention`); elsewhere, or with a softcap, it runs through
+rdkv's chunked exact attention (:func:`rdkv.dense.attend`). Its sums over the T repetition queries
 (mass, mass2 and the squared query norms, per KV head) weigh tokens and K channels as the prefill's window does
 (``rdkv.methods.Weights(form="reconstruct")``), priced by the same distortion model. They are computed once per
 record, on the first compress that asks for them, and kept with the record.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attention_modules
-from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend
+from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend, key_ranges
 from .errors import RDKVError
 from .records import Record
 
@@ -84,16 +86,19 @@ def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     sums = AttentionSums(mass=kf.new_zeros(B, H, held), mass2=kf.new_zeros(B, H, held), q2=kf.new_zeros(B, H, D),
                          nq=kf.new_full((B,), float(L * G)))  # every repeated token sees itself
     chunk = max(1, elements // max(1, B * Hq * k.shape[2]))
-    for a in range(0, L, chunk):
-        qc, qp = q[:, :, a : a + chunk], q_pos[a : a + chunk]
-        ok = allowed_keys(qp, k_pos, window)
+    starts = range(0, L, chunk)
+    for a, (lo, hi) in zip(starts, key_ranges(q_pos, k_pos, window, starts, chunk)):  # hi > lo: a token sees itself
+        qc, ok = q[:, :, a : a + chunk], allowed_keys(q_pos[a : a + chunk], k_pos[lo:hi], window)
         bias = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
-        o, lse = _FLASH_CPU(qc, kk, vv, 0.0, False, attn_mask=bias, scale=scaling)
+        o, lse = _FLASH_CPU(qc, kk[:, :, lo:hi], vv[:, :, lo:hi], 0.0, False, attn_mask=bias, scale=scaling)
         out[:, :, a : a + chunk] = o
         qg = qc.float().unflatten(1, (H, G))  # [B, H, G, c, D]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scaling
-        p = (s - lse.float().unflatten(1, (H, G)).unsqueeze(-1)).exp_().masked_fill_(~ok[:, :held], 0.0)
-        sums.mass += p.sum((2, 3))
-        sums.mass2 += p.square_().sum((2, 3))
         sums.q2 += qg.square().sum((2, 3))
+        end = min(hi, held)
+        if end <= lo:  # the chunk sees none of the record's keys (a sliding window past them)
+            continue
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, lo:end]) * scaling
+        p = (s - lse.float().unflatten(1, (H, G)).unsqueeze(-1)).exp_().masked_fill_(~ok[:, : end - lo], 0.0)
+        sums.mass[..., lo:end] += p.sum((2, 3))
+        sums.mass2[..., lo:end] += p.square_().sum((2, 3))
     return out, sums
