@@ -86,10 +86,14 @@ def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     sums = AttentionSums(mass=kf.new_zeros(B, H, held), mass2=kf.new_zeros(B, H, held), q2=kf.new_zeros(B, H, D),
                          nq=kf.new_full((B,), float(L * G)))  # every repeated token sees itself
     chunk = max(1, elements // max(1, B * Hq * k.shape[2]))
+    # the chunks' scores and masks grow with their key ranges: carved from one buffer each, so the heap does not
+    # grow chunk by chunk (freed blocks too small for the next chunk's tensors stay with the process)
+    scores = kf.new_empty(B * Hq * min(chunk, L) * held)
+    bias_buf = q.new_empty(min(chunk, L) * k.shape[2])
     starts = range(0, L, chunk)
     for a, (lo, hi) in zip(starts, key_ranges(q_pos, k_pos, window, starts, chunk)):  # hi > lo: a token sees itself
         qc, ok = q[:, :, a : a + chunk], allowed_keys(q_pos[a : a + chunk], k_pos[lo:hi], window)
-        bias = torch.zeros(ok.shape, dtype=q.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+        bias = bias_buf[: ok.numel()].view(ok.shape).zero_().masked_fill_(~ok, float("-inf"))
         o, lse = _FLASH_CPU(qc, kk[:, :, lo:hi], vv[:, :, lo:hi], 0.0, False, attn_mask=bias, scale=scaling)
         out[:, :, a : a + chunk] = o
         qg = qc.float().unflatten(1, (H, G))  # [B, H, G, c, D]
@@ -97,8 +101,9 @@ def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         end = min(hi, held)
         if end <= lo:  # the chunk sees none of the record's keys (a sliding window past them)
             continue
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, lo:end]) * scaling
-        p = (s - lse.float().unflatten(1, (H, G)).unsqueeze(-1)).exp_().masked_fill_(~ok[:, : end - lo], 0.0)
+        p = scores[: B * Hq * qg.shape[3] * (end - lo)].view(B, H, G, qg.shape[3], end - lo)
+        torch.matmul(qg, kf[:, :, lo:end].transpose(-1, -2).unsqueeze(2), out=p)
+        p.mul_(scaling).sub_(lse.float().unflatten(1, (H, G)).unsqueeze(-1)).exp_().masked_fill_(~ok[:, : end - lo], 0.0)
         sums.mass[..., lo:end] += p.sum((2, 3))
         sums.mass2[..., lo:end] += p.square_().sum((2, 3))
     return out, sums
