@@ -26,15 +26,13 @@ Inside a zone A+B program
 The device code is :mod:`rdkv.kernels.device.trizone_decode`. The launcher reads a segment through
 :mod:`rdkv.layout` only: its tensors width by width (the kernel's arguments follow ``quant.WIDTHS`` and the V
 classes) and its offsets (:func:`rdkv.layout.plan`), to which it adds the work items of a ``split``. They are kept
-in a side cache keyed by the identity of the segment's class-count tensor (dropped when that tensor dies), never in
-the layer, so the layer's ``nbytes`` stays exactly what the cache holds; they are a few integers per stream and K
-block.
+beside the segment (:func:`rdkv.layout.derived`: dropped with its tensors, never in the layer, so the layer's
+``nbytes`` stays exactly what the cache holds); they are a few integers per stream and K block.
 """
 from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -69,36 +67,21 @@ class Tables:
     split: int
 
 
-_TABLES: dict[tuple, tuple[weakref.ref, Tables]] = {}
-
-
-def _excl(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0) - x
-
-
 def build_tables(layer: TriZoneLayer, split: int) -> Tables:
     p = layout.plan(layer)
     S, dev, i32 = len(p.n), p.n.device, torch.int32
     chunks = torch.div(p.n + split - 1, split, rounding_mode="floor")
     n_ab = int(chunks.sum())
     wi_s = torch.repeat_interleave(torch.arange(S, device=dev), chunks)
-    ab_first = _excl(chunks)
+    ab_first = torch.cumsum(chunks, 0) - chunks
     wi_lo = (torch.arange(n_ab, device=dev) - ab_first[wi_s]) * split
-    return Tables(p.tok0, p.class_start.to(i32), p.class_row0 - p.class_start[:, :4], p.block_row0, p.block_group0, p.block_width_start.to(i32), wi_s.to(i32), wi_lo.to(i32),
-                  ab_first.to(i32), chunks.to(i32), n_ab, split)
+    return Tables(p.tok0, p.class_start.to(i32), p.class_row0 - p.class_start[:, :4], p.block_row0, p.block_group0,
+                  p.block_width_start.to(i32), wi_s.to(i32), wi_lo.to(i32), ab_first.to(i32), chunks.to(i32), n_ab, split)
 
 
 def tables(layer: TriZoneLayer, split: int) -> Tables:
     """The segment's launch tables, built once per (segment tensors, split) and dropped with the segment."""
-    vc = layout.counts(layer)
-    key = (id(vc), split)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0]() is vc:
-        return hit[1]
-    tab = build_tables(layer, split)
-    _TABLES[key] = (weakref.ref(vc), tab)
-    weakref.finalize(vc, _TABLES.pop, key, None)
-    return tab
+    return layout.derived(layer, ("triton tables", split), lambda: build_tables(layer, split))
 
 
 def _pow2(x: int) -> int:

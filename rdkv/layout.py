@@ -25,7 +25,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ from .errors import RDKVError
 
 if TYPE_CHECKING:
     from .trizone import TriZoneLayer
+
+T = TypeVar("T")
 
 V_CLASSES = (2, 4, 8, 16)
 
@@ -329,19 +332,27 @@ class Plan:
         return s, i, (i.unsqueeze(1) >= self.class_start[s, 1:]).sum(1)
 
 
-_PLANS: dict[int, tuple[weakref.ref, Plan]] = {}
+_DERIVED: dict[tuple, tuple[weakref.ref, object]] = {}
+
+
+def derived(seg: TriZoneLayer, key: Hashable, build: Callable[[], T]) -> T:
+    """``build()``, computed once per segment tensors and ``key`` and dropped when the segment's tensors die: what a
+    reader derives from a segment (its :class:`Plan`, a launcher's tables) is kept beside it, never in it, so
+    ``nbytes`` stays exactly the stored tensors."""
+    counts = seg.t[_COUNTS]
+    full = (id(counts), key)
+    hit = _DERIVED.get(full)
+    if hit is not None and hit[0]() is counts:
+        return hit[1]
+    value = build()
+    _DERIVED[full] = (weakref.ref(counts), value)
+    weakref.finalize(counts, _DERIVED.pop, full, None)
+    return value
 
 
 def plan(seg: TriZoneLayer) -> Plan:
-    """The segment's :class:`Plan`, built once per tensors (kept beside the segment, dropped with its tables)."""
-    counts = seg.t[_COUNTS]
-    hit = _PLANS.get(id(counts))
-    if hit is not None and hit[0]() is counts:
-        return hit[1]
-    p = Plan.build(counts, seg.t[_K_BITS], seg.spec.k_group)
-    _PLANS[id(counts)] = (weakref.ref(counts), p)
-    weakref.finalize(counts, _PLANS.pop, id(counts), None)
-    return p
+    """The segment's :class:`Plan`, built once per segment tensors (:func:`derived`)."""
+    return derived(seg, "plan", lambda: Plan.build(seg.t[_COUNTS], seg.t[_K_BITS], seg.spec.k_group))
 
 
 # --- the stored tensors, by role -----------------------------------------------------------------------------
@@ -400,11 +411,16 @@ def rope_table(seg: TriZoneLayer) -> torch.Tensor | None:
     return seg.t.get(_ROPE)
 
 
-def set_rope_table(seg: TriZoneLayer, table: torch.Tensor | None) -> None:
-    if table is None:
-        seg.t.pop(_ROPE, None)
+def _put(seg: TriZoneLayer, name: str, x: torch.Tensor | None) -> None:
+    """Store ``x`` under ``name``, or drop it for None."""
+    if x is None:
+        seg.t.pop(name, None)
     else:
-        seg.t[_ROPE] = table
+        seg.t[name] = x
+
+
+def set_rope_table(seg: TriZoneLayer, table: torch.Tensor | None) -> None:
+    _put(seg, _ROPE, table)
 
 
 def zone_c(layer: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,10 +442,7 @@ def decode_queries(layer: TriZoneLayer) -> torch.Tensor | None:
 
 
 def set_decode_queries(layer: TriZoneLayer, q: torch.Tensor | None) -> None:
-    if q is None:
-        layer.t.pop(_QWIN, None)
-    else:
-        layer.t[_QWIN] = q
+    _put(layer, _QWIN, q)
 
 
 def component(name: str) -> str:
