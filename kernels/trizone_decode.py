@@ -145,7 +145,7 @@ def choose_split(layer: TriZoneLayer, q: torch.Tensor, cfg: LaunchConfig) -> int
     >= 256, rounded up to whole tiles."""
     split = cfg.split
     if not split:
-        n_tok = int(layout.positions(layer).numel())
+        n_tok = int(layout.counts(layer).sum())
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         split = min(max(-(-n_tok // max(1, 2 * sms)), 256), 8192)
     return -(-split // cfg.block_n) * cfg.block_n

@@ -303,8 +303,6 @@ def _trizone_attn(
     g = m // L
     q_l = m % L
     q_pos = seq_len - L + q_l
-    d = tl.arange(0, D_PAD)
-    d_ok = d < D
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -348,33 +346,53 @@ def _trizone_attn(
                                       NB, K_GROUP, VG2, VG4, VG8, BLOCK_N, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP,
                                       BLOCK_M, scale2, ROPE, rope_ptr)
     else:
-        cid = pid - n_ab
-        s = cid // c_chunks
-        lo = (cid % c_chunks) * SPLIT
-        hi = tl.minimum(lo + SPLIT, n_c)
-        b = s // H
-        h = s % H
-        q_ptrs = q_ptr + b * sqb + (h * G + g).to(tl.int64)[:, None] * sqh + (q_l * sql)[:, None] + d[None, :] * sqd
-        qf = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        qf = qf.to(DOT)
-        k_base_c = kc_ptr + b.to(tl.int64) * skb + h * skh
-        v_base_c = vc_ptr + b.to(tl.int64) * svb + h * svh
-        for t0 in range(lo, hi, BLOCK_N):
-            j = t0 + tl.arange(0, BLOCK_N)
-            tok_ok = j < hi
-            kt = tl.load(k_base_c + j[None, :] * skn + d[:, None] * skd, mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
-            scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
-            kpos = c_start + j
-            ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
-            p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
-            acc = acc * alpha[:, None]
-            v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-            acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+        m_i, l_i, acc = _zone_c(m_i, l_i, acc, pid - n_ab, c_chunks, SPLIT, n_c, H, G, g, q_l, q_pos, row_ok,
+                                q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
+                                c_start, scale2, window, softcap, mask_ptr, smb, sml, smk, D, D_PAD, BLOCK_N, DOT,
+                                PREC, HAS_WINDOW, HAS_MASK, SOFTCAP)
+    _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D, D_PAD)
 
-    # normalised partial output and its base-2 log-sum-exp (-inf when the chunk saw nothing)
+
+@triton.jit
+def _zone_c(m_i, l_i, acc, cid, c_chunks, SPLIT, n_c, H, G, g, q_l, q_pos, row_ok,
+            q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
+            c_start, scale2, window, softcap, mask_ptr, smb, sml, smk,
+            D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Zone C work item ``cid``: tokens [lo, lo + SPLIT) of one stream's fresh 16-bit keys and values."""
+    s = cid // c_chunks
+    lo = (cid % c_chunks) * SPLIT
+    hi = tl.minimum(lo + SPLIT, n_c)
+    b = s // H
+    h = s % H
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    q_ptrs = q_ptr + b * sqb + (h * G + g).to(tl.int64)[:, None] * sqh + (q_l * sql)[:, None] + d[None, :] * sqd
+    qf = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qf = qf.to(DOT)
+    k_base_c = kc_ptr + b.to(tl.int64) * skb + h * skh
+    v_base_c = vc_ptr + b.to(tl.int64) * svb + h * svh
+    for t0 in range(lo, hi, BLOCK_N):
+        j = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = j < hi
+        kt = tl.load(k_base_c + j[None, :] * skn + d[:, None] * skd, mask=tok_ok[None, :] & d_ok[:, None], other=0.0)
+        scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
+        kpos = c_start + j
+        ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
+        p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D: tl.constexpr, D_PAD: tl.constexpr):
+    """The program's normalised partial output and its base-2 log-sum-exp (-inf when the chunk saw nothing)."""
+    d = tl.arange(0, D_PAD)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     base = pid.to(tl.int64) * GL
-    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None] & (d < D)[None, :])
     tl.store(lse_ptr + base + m, lse, mask=row_ok)

@@ -1,0 +1,143 @@
+"""Fused TriZone decode attention over the page layout (:mod:`rdkv.pages`): flash-decoding split-K, as
+:mod:`rdkv.kernels.trizone_decode` does over the packed layout, with work items cut in whole pages.
+
+The launcher reads a paged segment through :mod:`rdkv.pages` only: its plan of offsets becomes one int32 row per
+stream (:func:`stream_table`, the fields of :mod:`rdkv.kernels.device.page_decode`) and one int64 base per (stream,
+class), built once per segment and kept beside it (:func:`rdkv.layout.derived`). The device code is
+:mod:`rdkv.kernels.device.page_decode`; partials merge by log-sum-exp (:mod:`rdkv.kernels.lse_merge`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rdkv import layout, pages
+from rdkv.errors import RDKVError
+from rdkv.kernels.device import page_decode as dev
+from rdkv.kernels.device.page_decode import _page_attn
+from rdkv.kernels.device.trizone_decode import LOG2E
+from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
+from rdkv.kernels.trizone_decode import (_DOT, LaunchConfig, _nonempty, _pow2, block_m_for, check, choose_split,
+                                         launch_config)
+from rdkv.trizone import TriZoneLayer
+
+
+@dataclass
+class PageTables:
+    """What a launch over one paged segment reads besides the pages: the stream table, the class bases, the
+    work items of one ``split`` (in pages) and the compile-time channel bounds."""
+
+    plan: pages.PagePlan
+    st: torch.Tensor  # [S, FIELDS] int32
+    cbase: torch.Tensor  # [S, 4] int64 byte offset of each class's first page
+    wi_s: torch.Tensor  # [n_ab] int32 stream of each work item
+    wi_lo: torch.Tensor  # [n_ab] int32 first page of each work item
+    ab_first: torch.Tensor  # [S] int32
+    ab_cnt: torch.Tensor  # [S] int32
+    n_ab: int
+    split: int  # pages per work item
+    bounds: dict  # C0, C2, C4, C8, C16 (channels, powers of two), K2..K16 (a width present)
+
+
+def stream_table(p: pages.PagePlan) -> torch.Tensor:
+    S = len(p.counts)
+    st = torch.zeros(S, dev.FIELDS.value, dtype=torch.long, device=p.counts.device)
+    st[:, dev.F_CHANS.value:dev.F_CHANS.value + 4] = p.chans[:, 1:]
+    st[:, dev.F_CH0.value:dev.F_CH0.value + 4] = p.ch0[:, 1:]
+    st[:, dev.F_KOFF.value:dev.F_KOFF.value + 4] = p.k_off
+    st[:, dev.F_KMETA.value], st[:, dev.F_VOFF.value], st[:, dev.F_C0.value], st[:, dev.F_MEAN0.value] = p.k_meta, p.v_off, p.chans[:, 0], p.mean0
+    st[:, dev.F_PAGE0.value:dev.F_PAGE0.value + 5] = p.page0
+    st[:, dev.F_COUNT.value:dev.F_COUNT.value + 4] = p.counts
+    st[:, dev.F_PSIZE.value:dev.F_PSIZE.value + 4] = p.page_size
+    if st.numel() and int(st.max()) >= 2**31:
+        raise RDKVError("a page or segment offset exceeds int32: split the batch")
+    return st.to(torch.int32)
+
+
+def build_tables(layer: TriZoneLayer, split: int) -> PageTables:
+    p = page_plan(layer)
+    S, d = len(p.counts), p.counts.device
+    npg = p.page0[:, 4]
+    chunks = -(-npg // split)
+    n_ab = int(chunks.sum())
+    wi_s = torch.repeat_interleave(torch.arange(S, device=d), chunks)
+    ab_first = torch.cumsum(chunks, 0) - chunks
+    wi_lo = (torch.arange(n_ab, device=d) - ab_first[wi_s]) * split
+    top = p.chans.amax(0).tolist() if S else [0] * 5
+    bounds = dict(C0=_pow2(top[0]) if top[0] else 0,
+                  **{f"C{w}": max(16, _pow2(x)) for w, x in zip((2, 4, 8, 16), top[1:])},
+                  **{f"K{w}": bool(x) for w, x in zip((2, 4, 8, 16), top[1:])})
+    i32 = torch.int32
+    return PageTables(p, stream_table(p), p.class_base, wi_s.to(i32), wi_lo.to(i32), ab_first.to(i32),
+                      chunks.to(i32), n_ab, split, bounds)
+
+
+def page_plan(layer: TriZoneLayer) -> pages.PagePlan:
+    return layout.derived(layer, "page plan", lambda: pages.plan(layer.t, layer.spec, layer.head_dim, layer.prefix_len,
+                                                                  pages.page_tokens(layer.head_dim)))
+
+
+def tables(layer: TriZoneLayer, split: int) -> PageTables:
+    return layout.derived(layer, ("page tables", split), lambda: build_tables(layer, split))
+
+
+def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
+                softcap: float | None = None, mask: torch.Tensor | None = None,
+                launch: LaunchConfig | None = None) -> torch.Tensor:
+    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D] over a paged
+    segment: the contract of :func:`rdkv.kernels.trizone_decode.trizone_decode`."""
+    check(query, layer, softcap, mask)
+    if layer.folds or layout.rope_table(layer) is not None:
+        raise RDKVError("the page kernel does not serve folded segments or keys packed before RoPE yet")
+    B, Hq, L, D = query.shape
+    H = layer.heads
+    G, S = Hq // H, B * H
+    GL = G * L
+    P = pages.page_tokens(D)
+    block_m = block_m_for(GL, query.dtype)
+    m_blocks = -(-GL // block_m)
+    cfg = launch_config(D, block_m, query.dtype, override=launch)
+    t = layer.t
+    if launch is not None and launch.block_n not in (None, P):
+        raise RDKVError(f"the page kernel's tile is one page of {P} tokens, got block_n={launch.block_n}")
+    tab = tables(layer, -(-choose_split(layer, query, cfg) // P))
+    seq = layer.get_seq_length()
+    window = sliding_window if layer.sliding_window is None else layer.sliding_window
+    kc, vc = layout.zone_c(layer)
+    n_c = kc.shape[2]
+    split_c = tab.split * P
+    c_chunks = -(-n_c // split_c)
+    n_prog = tab.n_ab + S * c_chunks
+    out = torch.empty(B, Hq, L, D, dtype=query.dtype, device=query.device)
+    part = torch.empty(max(1, n_prog), GL, D, dtype=torch.float32, device=query.device)
+    lse = torch.empty(max(1, n_prog), GL, dtype=torch.float32, device=query.device)
+    if mask is not None:
+        m8 = mask.view(torch.uint8)
+        mask_args = (m8, m8.stride(0) if mask.shape[0] > 1 else 0, m8.stride(2), m8.stride(3))
+    else:
+        mask_args = (out, 0, 0, 0)
+    buf = t["pages"] if t["pages"].numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
+    pos_bytes = layout.pos_bytes(layer.prefix_len)
+    if n_prog:
+        qp = query.reshape(S, GL, D).gather(2, layout.k_perm(layer).long().unsqueeze(1).expand(S, GL, D))
+        _page_attn[(n_prog, m_blocks)](
+            query, *query.stride(), qp, part, lse,
+            buf, buf.view(torch.float16),
+            buf.view(layer.dtype16),
+            buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
+            _nonempty(t["k_mean"], torch.float16, query.device), tab.st, tab.cbase, tab.wi_s, tab.wi_lo,
+            kc, *kc.stride(), vc, *vc.stride(), *mask_args,
+            tab.n_ab, n_c, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
+            int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
+            H, G, L, tab.split, split_c,
+            D=D, P=P, **tab.bounds, VG2=layer.spec.v_group_of(2), VG4=layer.spec.v_group_of(4),
+            VG8=layer.spec.v_group_of(8), POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
+            PREC="ieee" if query.dtype == torch.float32 else "tf32",
+            HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )
+    block_d = min(D, MERGE_BLOCK_D)
+    _lse_merge[(S, m_blocks * (D // block_d))](part, lse, tab.ab_first, tab.ab_cnt, 1, out, tab.n_ab, c_chunks, H, G,
+                                                L, D=D, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=MERGE_WARPS)
+    return out

@@ -1,0 +1,255 @@
+"""The page layout of a packed segment: each stream's kept tokens in pages of ``P`` tokens, one contiguous span each.
+
+A stream's kept tokens, ordered by V class (2, 4, 8, 16) then position as in :mod:`rdkv.layout`, are cut per class
+into pages of ``P`` tokens (the last page of a class may be partly filled; its empty slots are zero bytes). A page
+of stream ``s`` and class ``c`` holds, in this order, every section a multiple of 16 bytes:
+
+* K codes of the stream's channels of width 2, then 4, then 8 (channels in the stream's permuted order, which
+  :func:`rdkv.layout.pack` sorts by width): byte row ``r`` of width ``w`` holds channels ``r * 8/w + k`` (bits
+  ``k * w``) of the page's ``P`` tokens, so a row is ``P`` consecutive bytes, one per token;
+* K rows of the 16-bit channels, channel-major (``P`` consecutive 16-bit values per channel);
+* one fp16 scale per packed K channel, then one fp16 zero (K is quantized per channel per page: a page is one
+  scale group);
+* V codes [P, D*w/8], then V scales and zeros [P, D/v_group] each (class 16: V rows [P, D] in 16 bits);
+* the positions [P] (int16, int32 past 32767).
+
+A page's size depends only on (the stream's K widths, the class), so one base per (stream, class) and a page index
+give every address of a tile: the decode kernel (:mod:`rdkv.kernels.page_decode`) issues a page's loads together.
+Width-0 channels keep their means outside the pages (``k_mean``: one fp16 per channel, stream-major).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import quant
+from .errors import RDKVError
+from .layout import _COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, pos_bytes, pos_dtype, quantize_pack
+
+K_WIDTHS = (2, 4, 8, 16)  # the K sections of a page, in order
+
+
+def page_tokens(head_dim: int) -> int:
+    """Tokens per page: one decode tile (64 up to head_dim 128, 32 at 256)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def v_bytes(width: int, head_dim: int, spec: PackSpec, page: int) -> tuple[int, int]:
+    """(V code or row bytes, V scale bytes) of a page of class ``width``; the zeros take as many as the scales."""
+    if width == 16:
+        return 2 * page * head_dim, 0
+    return page * head_dim * width // 8, 2 * page * (head_dim // spec.v_group_of(width))
+
+
+@dataclass(eq=False)
+class PagePlan:
+    """Every offset of a paged segment, from its class sizes and K block widths (tensors on the segment's device)."""
+
+    page: int  # tokens per page
+    counts: torch.Tensor  # [S, 4] tokens per stream and V class
+    chans: torch.Tensor  # [S, 5] channels per K width 0, 2, 4, 8, 16
+    ch0: torch.Tensor  # [S, 5] first permuted channel of each K width
+    k_off: torch.Tensor  # [S, 4] byte offset inside a page of the K sections of widths 2, 4, 8, 16
+    k_meta: torch.Tensor  # [S] offset of the K scales; the zeros follow 2 bytes per packed channel later
+    v_off: torch.Tensor  # [S] offset of the V section (the K sections' bytes)
+    page_size: torch.Tensor  # [S, 4] bytes of one page of each class
+    pages: torch.Tensor  # [S, 4] pages of each class
+    page0: torch.Tensor  # [S, 5] class boundaries along the stream's pages
+    class_base: torch.Tensor  # [S, 4] byte offset of each class's first page
+    mean0: torch.Tensor  # [S] index of the stream's first channel mean in ``k_mean``
+    total: int  # bytes of all pages
+
+    @classmethod
+    def build(cls, counts: torch.Tensor, k_bits: torch.Tensor, spec: PackSpec, head_dim: int, pos_len: int,
+              page: int) -> PagePlan:
+        counts = counts.long()
+        dev, D = counts.device, head_dim
+        chans = torch.stack([(k_bits.long() == w).sum(1) for w in quant.WIDTHS], 1) * spec.k_block
+        ch0 = _excl(chans, 1)
+        sec = torch.stack([chans[:, 1 + i] * page * w // 8 for i, w in enumerate(K_WIDTHS)], 1)
+        k_off = _excl(sec, 1)
+        k_meta = sec.sum(1)
+        v_off = k_meta + 4 * (chans[:, 1] + chans[:, 2] + chans[:, 3])
+        v_sec = torch.tensor([v_section(w, D, spec, page) + page * pos_bytes(pos_len) for w in V_CLASSES], device=dev)
+        page_size = v_off.unsqueeze(1) + v_sec
+        pages = -(-counts // page)
+        span = (pages * page_size).flatten()
+        class_base = _excl(span).view_as(pages)
+        return cls(page, counts, chans, ch0, k_off, k_meta, v_off, page_size, pages,
+                   torch.cat([torch.zeros_like(pages[:, :1]), pages.cumsum(1)], 1), class_base, _excl(chans[:, 0]),
+                   int(span.sum()))
+
+
+class _Slots:
+    """Where each kept token lives: its stream, class, page base (bytes) and slot inside the page."""
+
+    def __init__(self, p: PagePlan):
+        s, i = _segments(p.counts.sum(1))
+        cstart = _excl(p.counts, 1)
+        cls = (i.unsqueeze(1) >= (cstart + p.counts)[s]).sum(1)
+        j = i - cstart[s, cls]
+        self.s, self.cls, self.index = s, cls, i  # index: the token's place among its stream's kept tokens
+        self.base = p.class_base[s, cls] + torch.div(j, p.page, rounding_mode="floor") * p.page_size[s, cls]
+        self.slot = j % p.page
+
+
+def _k_addresses(p: PagePlan, at: _Slots, D: int, kb: int) -> tuple[torch.Tensor, ...]:
+    """Per kept token and permuted channel [N, D]: width, byte address of its code (its first byte at 16 bits), bit
+    shift, and the address of its scale (zero at + 2 * packed channels) for packed widths."""
+    ch = torch.arange(D, device=p.counts.device)
+    wi = (ch.unsqueeze(0) >= p.ch0[at.s, 1:].unsqueeze(2)).sum(1)  # [N, D] option index of the channel's width
+    width = torch.tensor(quant.WIDTHS, device=ch.device)[wi]
+    j = ch - p.ch0[at.s].gather(1, wi)  # channel index inside its width
+    per = torch.where(width == 0, 1, 8 // width.clamp(1, 8))
+    sec = p.k_off[at.s].gather(1, (wi - 1).clamp(0))
+    base, slot = at.base.unsqueeze(1), at.slot.unsqueeze(1)
+    code = base + sec + torch.where(width == 16, (j * p.page + slot) * 2, torch.div(j, per, rounding_mode="floor")
+                                    * p.page + slot)
+    shift = torch.where(width == 16, 0, (j % per) * width)
+    meta = base + p.k_meta[at.s].unsqueeze(1) + 2 * (ch - p.ch0[at.s, 1:2])
+    return width, code, shift, meta
+
+
+def _v_addresses(p: PagePlan, at: _Slots, D: int, spec: PackSpec, w: int, sel: torch.Tensor):
+    """Byte address of the first code byte (or 16-bit value) of each V row of class ``w`` and of its first scale."""
+    rb, sb = v_bytes(w, D, spec, p.page)
+    vbase = at.base[sel] + p.v_off[at.s[sel]]
+    slot = at.slot[sel]
+    return vbase + slot * (rb // p.page), vbase + rb + slot * (sb // p.page)
+
+
+def v_section(width: int, head_dim: int, spec: PackSpec, page: int) -> int:
+    """Bytes of a page's V section of class ``width``: codes, scales and zeros, or 16-bit rows."""
+    rb, sb = v_bytes(width, head_dim, spec, page)
+    return rb + 2 * sb
+
+
+def _pos_addresses(p: PagePlan, at: _Slots, D: int, spec: PackSpec, pos_len: int) -> torch.Tensor:
+    """Byte address of each kept token's position (after its page's V section)."""
+    sec = torch.tensor([v_section(w, D, spec, p.page) for w in V_CLASSES], device=at.s.device)
+    return at.base + p.v_off[at.s] + sec[at.cls] + at.slot * pos_bytes(pos_len)
+
+
+def _put(buf: torch.Tensor, addr: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x`` (any dtype) little-endian at byte addresses ``addr`` (one per element)."""
+    b = x.contiguous().view(torch.uint8).view(*x.shape, x.element_size())
+    buf[addr.unsqueeze(-1) + torch.arange(x.element_size(), device=buf.device)] = b
+
+
+def _get(buf: torch.Tensor, addr: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    return buf[addr.unsqueeze(-1) + torch.arange(size, device=buf.device)].view(dtype).squeeze(-1)
+
+
+def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
+         spec: PackSpec, dtype16: torch.dtype, page: int | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one paged segment for k, v [S, T, D] at positions start..start+T-1, V widths per token [S, T]
+    and K widths per block [S, D/k_block] of the channel order [S, D] (the arguments of :func:`rdkv.layout.pack`)."""
+    S, T, D = k.shape
+    dev, kb = k.device, spec.k_block
+    P = page or page_tokens(D)
+    if P % 8:
+        raise RDKVError(f"a page holds a multiple of 8 tokens (16-byte sections), got {P}")
+    order = bits.argsort(dim=-1, stable=True)
+    perm = perm.unflatten(-1, (-1, kb)).gather(1, order.unsqueeze(-1).expand(-1, -1, kb)).flatten(-2)
+    bits = bits.gather(-1, order)
+    rank = torch.full_like(v_width, len(V_CLASSES))
+    for c, w in enumerate(V_CLASSES):
+        rank[v_width == w] = c
+    tok = (rank * T + torch.arange(T, device=dev)).argsort(1)
+    counts = torch.stack([(v_width == w).sum(1) for w in V_CLASSES], 1)
+    n = counts.sum(1)
+    keep = torch.arange(T, device=dev) < n.unsqueeze(1)
+    t_flat = tok[keep]
+    p = PagePlan.build(counts, bits, spec, D, start + T, P)
+    at = _Slots(p)
+    buf = torch.zeros(p.total, dtype=torch.uint8, device=dev)
+    _put(buf, _pos_addresses(p, at, D, spec, start + T), (t_flat + start).to(pos_dtype(start + T)))
+    vf = v[at.s, t_flat].float()
+    for c, w in enumerate(V_CLASSES):
+        sel = at.cls == c
+        code_at, scale_at = _v_addresses(p, at, D, spec, w, sel)
+        if w == 16:
+            _put(buf, code_at.unsqueeze(1) + 2 * torch.arange(D, device=dev), vf[sel].to(dtype16))
+            continue
+        codes, scale, zero = quantize_pack(vf[sel], w, spec.v_group_of(w))
+        buf[code_at.unsqueeze(1) + torch.arange(codes.shape[1], device=dev)] = codes
+        g = torch.arange(scale.shape[1], device=dev)
+        _put(buf, scale_at.unsqueeze(1) + 2 * g, scale)
+        _put(buf, scale_at.unsqueeze(1) + v_bytes(w, D, spec, P)[1] + 2 * g, zero)
+    kp = k[at.s, t_flat].float().gather(1, perm.long()[at.s])  # [N, D] channels in permuted order
+    width, code_at, shift, meta_at = _k_addresses(p, at, D, kb)
+    # per (page, channel) range over the page's tokens
+    pid = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), (at.base[1:] != at.base[:-1]).long().cumsum(0)])[:len(at.base)]
+    npg = int(pid[-1]) + 1 if len(pid) else 0
+    lo = kp.new_full((npg, D), float("inf")).scatter_reduce(0, pid.unsqueeze(1).expand_as(kp), kp, "amin")
+    hi = kp.new_full((npg, D), float("-inf")).scatter_reduce(0, pid.unsqueeze(1).expand_as(kp), kp, "amax")
+    first = torch.ones(len(pid), dtype=torch.bool, device=dev)
+    first[1:] = pid[1:] != pid[:-1]
+    mean_at = p.mean0[at.s].unsqueeze(1) + torch.arange(D, device=dev)
+    k_mean = torch.zeros(int(p.chans[:, 0].sum()), dtype=quant.META_DTYPE, device=dev)
+    msum = kp.new_zeros(len(k_mean)).index_add_(0, mean_at[width == 0], kp[width == 0])
+    mcnt = kp.new_zeros(len(k_mean)).index_add_(0, mean_at[width == 0], torch.ones_like(kp[width == 0]))
+    k_mean[:] = (msum / mcnt.clamp_min(1)).to(quant.META_DTYPE)
+    val = torch.zeros_like(kp, dtype=torch.int32)
+    for w in quant.PACKED:
+        scale, zero = quant.scale_zero(lo, hi, w)
+        is_w = width == w
+        val = torch.where(is_w, quant.codes(kp, scale[pid], zero[pid], w).int() << shift.int(), val)
+        m = is_w & first.unsqueeze(1)
+        _put(buf, meta_at[m], scale[pid][m])
+        _put(buf, meta_at[m] + 2 * (p.chans[at.s, 1:4].sum(1, keepdim=True).expand_as(m))[m], zero[pid][m])
+    packed = (width > 0) & (width < 16)
+    byte = torch.zeros(len(buf), dtype=torch.int32, device=dev).index_add_(0, code_at[packed], val[packed])
+    buf[code_at[packed]] = byte[code_at[packed]].to(torch.uint8)
+    _put(buf, code_at[width == 16], kp[width == 16].to(dtype16))
+    return {_COUNTS: counts.to(torch.int32), _K_PERM: perm.to(torch.uint8 if D <= 256 else torch.int16),
+            _K_BITS: bits.to(torch.uint8), "k_mean": k_mean, "pages": buf}
+
+
+def plan(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int) -> PagePlan:
+    return PagePlan.build(t[_COUNTS], t[_K_BITS], spec, head_dim, pos_len, page)
+
+
+def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int,
+               dtype16: torch.dtype):
+    """Dense float32 K, V [S, Nmax, D] (K in the model's channel order), positions [S, Nmax] and validity: the torch
+    oracle of the page layout, as :func:`rdkv.layout.dequantize` is of the packed one."""
+    D, p = head_dim, plan(t, spec, head_dim, pos_len, page)
+    buf, at = t["pages"], _Slots(p)
+    S, dev = len(p.counts), buf.device
+    nmax = int(p.counts.sum(1).max()) if S else 0
+    K = torch.zeros(S, nmax, D, device=dev)
+    V = torch.zeros(S, nmax, D, device=dev)
+    pos = torch.zeros(S, nmax, dtype=torch.long, device=dev)
+    pos[at.s, at.index] = _get(buf, _pos_addresses(p, at, D, spec, pos_len), pos_dtype(pos_len)).long()
+    for c, w in enumerate(V_CLASSES):
+        sel = at.cls == c
+        code_at, scale_at = _v_addresses(p, at, D, spec, w, sel)
+        if w == 16:
+            rows = _get(buf, code_at.unsqueeze(1) + 2 * torch.arange(D, device=dev), dtype16).float()
+        else:
+            codes = buf[code_at.unsqueeze(1) + torch.arange(D * w // 8, device=dev)]
+            g = torch.arange(D // spec.v_group_of(w), device=dev)
+            scale = _get(buf, scale_at.unsqueeze(1) + 2 * g, quant.META_DTYPE)
+            zero = _get(buf, scale_at.unsqueeze(1) + v_bytes(w, D, spec, page)[1] + 2 * g, quant.META_DTYPE)
+            rows = quant.dequantize(quant.unpack(codes, w).unflatten(-1, (-1, spec.v_group_of(w))), scale,
+                                    zero).flatten(-2)
+        V[at.s[sel], at.index[sel]] = rows
+    width, code_at, shift, meta_at = _k_addresses(p, at, D, spec.k_block)
+    packed = (width > 0) & (width < 16)
+    code = ((buf[code_at].int() >> shift) & ((1 << width.clamp(1, 8)) - 1)).float()
+    cp = p.chans[at.s, 1:4].sum(1, keepdim=True)
+    safe = torch.where(packed, meta_at, 0)
+    kq = code * _get(buf, safe, quant.META_DTYPE).float() + _get(buf, safe + 2 * cp, quant.META_DTYPE).float()
+    k16 = _get(buf, torch.where(width == 16, code_at, 0), dtype16).float()
+    mean_at = p.mean0[at.s].unsqueeze(1) + torch.arange(D, device=dev)
+    mean = t["k_mean"][torch.where(width == 0, mean_at, 0).clamp(max=max(0, len(t["k_mean"]) - 1))].float() \
+        if len(t["k_mean"]) else torch.zeros_like(kq)
+    kp = torch.where(width == 0, mean, torch.where(width == 16, k16, kq))
+    Kp = torch.zeros(S, nmax, D, device=dev)
+    Kp[at.s, at.index] = kp
+    K.scatter_(2, t[_K_PERM].long().unsqueeze(1).expand(S, nmax, D), Kp)
+    valid = torch.arange(nmax, device=dev) < p.counts.sum(1).unsqueeze(1)
+    return K, V, pos, valid

@@ -1,0 +1,84 @@
+"""The page layout (rdkv.pages) and its Triton decode kernel (rdkv.kernels.page_decode), under TRITON_INTERPRET=1.
+
+The oracle reads the pages back in torch (``pages.dequantize``); the kernel must match attention over it within
+the fp16 tolerances of tests/test_kernel_decode.py (same rounding steps: q * scale instead of the dequantized K,
+each rounded once to fp16)."""
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+from rdkv import layout, pages
+from rdkv.dense import allowed_keys
+from rdkv.layout import PackSpec
+from rdkv.reference import merge, partial_attention, queries
+from rdkv.trizone import TriZoneLayer
+
+for _name in ("rdkv.kernels.lse_merge", "rdkv.kernels.device.trizone_decode", "rdkv.kernels.trizone_decode",
+              "rdkv.kernels.device.page_decode", "rdkv.kernels.page_decode"):
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+from rdkv.kernels.page_decode import page_decode  # noqa: E402
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3)}
+
+
+def build(seed, B, H, T, D, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), n_c=5, start=7):
+    spec = PackSpec(v_group=32, k_group=64, k_block=16)
+    g = torch.Generator().manual_seed(seed)
+    S = B * H
+    k = torch.randn(S, T, D, generator=g) * 1.5
+    k[..., 5] += 12.0
+    v = torch.randn(S, T, D, generator=g)
+    vw = torch.tensor(vmix)[torch.randint(0, len(vmix), (S, T), generator=g)]
+    kb = torch.tensor(kmix)[torch.randint(0, len(kmix), (S, D // 16), generator=g)]
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)])
+    t = pages.pack(k, v, start, vw, kb, perm, spec, torch.float16)
+    t["kc"] = torch.randn(B, H, n_c, D, generator=g).half()
+    t["vc"] = torch.randn(B, H, n_c, D, generator=g).half()
+    layer = TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=start + T, spec=spec,
+                         sliding_window=None, dtype16=torch.float16)
+    return layer, k, v, vw, kb, perm
+
+
+def reference(q, layer, scaling):
+    qq, q_pos, window, _ = queries(q, layer, None, None)
+    S, _, D = qq.shape
+    K, V, pos, valid = pages.dequantize(layer.t, layer.spec, D, layer.prefix_len, pages.page_tokens(D), torch.float16)
+    parts = [partial_attention(qq, K, V, allowed_keys(q_pos, pos, window) & valid.unsqueeze(1), scaling, None)]
+    kc, vc = (x.float().reshape(S, -1, D) for x in layout.zone_c(layer))
+    c_pos = torch.arange(layer.c_start, layer.get_seq_length())
+    parts.append(partial_attention(qq, kc, vc, allowed_keys(q_pos, c_pos, window).expand(S, -1, -1), scaling, None))
+    return merge(parts).reshape(q.shape).to(q.dtype)
+
+
+def test_pages_round_trip():
+    """Every kept token comes back at its position, V/K within half a quantization step of their width."""
+    layer, k, v, vw, kb, perm = build(0, 1, 3, 300, 64)
+    K, V, pos, valid = pages.dequantize(layer.t, layer.spec, 64, layer.prefix_len, 64, torch.float16)
+    s, i = valid.nonzero(as_tuple=True)
+    p = pos[s, i] - layer.start
+    assert int(valid.sum()) == int((vw > 0).sum()) and bool((vw[s, p] > 0).all())
+    err = (V[s, i] - v[s, p]).abs()
+    for w, bound in ((16, 2e-3), (8, 0.02)):  # 8 bits over a ~7-wide group: step 0.03
+        assert float(err[vw[s, p] == w].max()) < bound
+    assert pages.PagePlan.build(layout.counts(layer), layout.k_bits(layer), layer.spec, 64, layer.prefix_len, 64).total \
+        == layer.t["pages"].numel()
+
+
+@pytest.mark.parametrize("B,H,T,D,G,L,dtype,vmix,kmix", [
+    (2, 2, 300, 64, 4, 1, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (1, 2, 500, 128, 8, 1, torch.float32, (0, 2, 4, 8, 16), (2, 4, 8, 16)),
+    (1, 1, 200, 256, 2, 3, torch.float16, (0, 2, 8), (0, 4, 16)),
+    (2, 1, 300, 32, 4, 1, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
+    (2, 1, 120, 64, 3, 1, torch.float16, (0,), (0, 2, 4, 8, 16)),  # everything evicted: zone C only
+])
+def test_page_kernel_matches_oracle(B, H, T, D, G, L, dtype, vmix, kmix):
+    layer = build(T + D, B, H, T, D, vmix, kmix)[0]
+    q = torch.randn(B, H * G, L, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = page_decode(q, layer, D ** -0.5)
+    torch.testing.assert_close(got.float(), reference(q, layer, D ** -0.5).float(), **TOL[dtype])
