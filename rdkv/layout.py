@@ -498,6 +498,24 @@ def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
     return triton_kernel("quantize_pack")(x, bits, group, axis, segments)
 
 
+def storage_order(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor, k_block: int):
+    """The order a segment stores its units in, for V widths per token [S, T], K widths per block [S, D/k_block] and
+    the channel order [S, D]: (channel order with the blocks sorted by width (stable), the sorted widths, tokens per
+    stream and V class [S, 4], the kept tokens' indices stream-major, each stream by class then position [N], and
+    their class 0..3 [N])."""
+    T = v_width.shape[1]
+    order = bits.argsort(dim=-1, stable=True)
+    perm = perm.unflatten(-1, (-1, k_block)).gather(1, order.unsqueeze(-1).expand(-1, -1, k_block)).flatten(-2)
+    bits = bits.gather(-1, order)
+    rank = torch.full_like(v_width, len(V_CLASSES))
+    for c, w in enumerate(V_CLASSES):
+        rank[v_width == w] = c
+    order = (rank * T + torch.arange(T, device=v_width.device)).argsort(1)
+    counts = torch.stack([(v_width == w).sum(1) for w in V_CLASSES], 1)
+    keep = torch.arange(T, device=v_width.device) < counts.sum(1, keepdim=True)
+    return perm, bits, counts, order[keep], rank.gather(1, order)[keep]
+
+
 def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
          spec: PackSpec, dtype16: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors of one packed segment (no zone C) for k, v [S, T, D] float32 at absolute positions
@@ -506,19 +524,9 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
     consecutive and a decode visits them in storage order."""
     S, T, D = k.shape
     dev, kb = k.device, spec.k_block
-    order = bits.argsort(dim=-1, stable=True)
-    perm = perm.unflatten(-1, (-1, kb)).gather(1, order.unsqueeze(-1).expand(-1, -1, kb)).flatten(-2)
-    bits = bits.gather(-1, order)
-    rank = torch.full_like(v_width, len(V_CLASSES))
-    for c, w in enumerate(V_CLASSES):
-        rank[v_width == w] = c
-    order = (rank * T + torch.arange(T, device=dev)).argsort(1)
-    class_counts = torch.stack([(v_width == w).sum(1) for w in V_CLASSES], 1)
+    perm, bits, class_counts, t_flat, cls = storage_order(v_width, bits, perm, kb)
     n = class_counts.sum(1)
-    keep = torch.arange(T, device=dev) < n.unsqueeze(1)
-    s_flat = torch.arange(S, device=dev).unsqueeze(1).expand(S, T)[keep]
-    t_flat = order[keep]
-    cls = rank.gather(1, order)[keep]
+    s_flat = torch.repeat_interleave(torch.arange(S, device=dev), n)
     t: dict[str, torch.Tensor] = {
         _COUNTS: class_counts.to(torch.int32),
         _POS: (t_flat + start).to(pos_dtype(start + T)),

@@ -25,7 +25,8 @@ import torch
 
 from . import quant
 from .errors import RDKVError
-from .layout import _COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, pos_bytes, pos_dtype, quantize_pack
+from .layout import (_COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, pos_bytes, pos_dtype,
+                     quantize_pack, storage_order)
 
 K_WIDTHS = (2, 4, 8, 16)  # the K sections of a page, in order
 
@@ -151,17 +152,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
     P = page or page_tokens(D)
     if P % 8:
         raise RDKVError(f"a page holds a multiple of 8 tokens (16-byte sections), got {P}")
-    order = bits.argsort(dim=-1, stable=True)
-    perm = perm.unflatten(-1, (-1, kb)).gather(1, order.unsqueeze(-1).expand(-1, -1, kb)).flatten(-2)
-    bits = bits.gather(-1, order)
-    rank = torch.full_like(v_width, len(V_CLASSES))
-    for c, w in enumerate(V_CLASSES):
-        rank[v_width == w] = c
-    tok = (rank * T + torch.arange(T, device=dev)).argsort(1)
-    counts = torch.stack([(v_width == w).sum(1) for w in V_CLASSES], 1)
-    n = counts.sum(1)
-    keep = torch.arange(T, device=dev) < n.unsqueeze(1)
-    t_flat = tok[keep]
+    perm, bits, counts, t_flat, _ = storage_order(v_width, bits, perm, kb)
     p = PagePlan.build(counts, bits, spec, D, start + T, P)
     at = _Slots(p)
     buf = torch.zeros(p.total, dtype=torch.uint8, device=dev)
