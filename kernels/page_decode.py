@@ -8,6 +8,8 @@ class), built once per segment and kept beside it (:func:`rdkv.layout.derived`).
 """
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +20,7 @@ from rdkv.kernels.device import page_decode as dev
 from rdkv.kernels.device.page_decode import _page_attn
 from rdkv.kernels.device.trizone_decode import LOG2E
 from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
-from rdkv.kernels.trizone_decode import (_DOT, LaunchConfig, _nonempty, _pow2, block_m_for, check, choose_split,
-                                         launch_config)
+from rdkv.kernels.trizone_decode import _DOT, LaunchConfig, _nonempty, _pow2, block_m_for, check, launch_config
 from rdkv.trizone import TriZoneLayer
 
 
@@ -78,6 +79,38 @@ def page_plan(layer: TriZoneLayer) -> pages.PagePlan:
                                                                   pages.page_tokens(layer.head_dim)))
 
 
+PROGRAM_PAGES = 1.0  # a program's fixed work (q columns, table loads, its partial's store and merge) in pages
+
+
+def makespan(npg: list[int], split: int, slots: int) -> float:
+    """Time, in pages, of work items of ``split`` pages cut from streams of ``npg`` pages, dispatched in launch
+    order to the first of ``slots`` free program slots (as the GPU's block scheduler does)."""
+    free = [0.0] * slots
+    for n in npg:
+        for lo in range(0, n, split):
+            heapq.heapreplace(free, free[0] + min(split, n - lo) + PROGRAM_PAGES)
+    return max(free)
+
+
+def choose_pages(npg: list[int], slots: int) -> int:
+    """Pages per zone A+B work item over streams of ``npg`` pages: of the splits that make about 1..8 waves of
+    ``slots`` programs (and up to 25% longer, for the items cut short at the end of each stream), the one with the
+    shortest :func:`makespan` (ties to fewer, longer items: fewer partials to merge)."""
+    total = sum(npg)
+    cands = sorted({max(1, math.ceil(total / (k * slots) * (1 + j / 16))) for k in range(1, 9) for j in range(5)},
+                   reverse=True)
+    return min(cands, key=lambda s: makespan(npg, s, slots))
+
+
+def program_slots(query: torch.Tensor, cfg: LaunchConfig) -> int:
+    """Programs the device runs at once: SMs x programs per SM (register-bound: the kernel takes ~240 of the
+    255 registers a thread may have, so 65536 / (256 x 32 x warps), at least 1). Off the GPU: 4."""
+    if not query.is_cuda:
+        return 4
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    return sms * max(1, 65536 // (256 * 32 * cfg.num_warps))
+
+
 def tables(layer: TriZoneLayer, split: int) -> PageTables:
     return layout.derived(layer, ("page tables", split), lambda: build_tables(layer, split))
 
@@ -101,7 +134,13 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     t = layer.t
     if launch is not None and launch.block_n not in (None, P):
         raise RDKVError(f"the page kernel's tile is one page of {P} tokens, got block_n={launch.block_n}")
-    tab = tables(layer, -(-choose_split(layer, query, cfg) // P))
+    if cfg.split:
+        split = -(-cfg.split // P)
+    else:
+        slots = program_slots(query, cfg)
+        split = layout.derived(layer, ("page split", slots),
+                               lambda: choose_pages(page_plan(layer).page0[:, 4].tolist(), slots))
+    tab = tables(layer, split)
     seq = layer.get_seq_length()
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     kc, vc = layout.zone_c(layer)

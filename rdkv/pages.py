@@ -195,8 +195,24 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
     byte = torch.zeros(len(buf), dtype=torch.int32, device=dev).index_add_(0, code_at[packed], val[packed])
     buf[code_at[packed]] = byte[code_at[packed]].to(torch.uint8)
     _put(buf, code_at[width == 16], kp[width == 16].to(dtype16))
-    return {_COUNTS: counts.to(torch.int32), _K_PERM: perm.to(torch.uint8 if D <= 256 else torch.int16),
+    return _tensors(counts, perm, bits, k_mean, buf)
+
+
+def _tensors(counts: torch.Tensor, perm: torch.Tensor, bits: torch.Tensor, k_mean: torch.Tensor,
+             buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {_COUNTS: counts.to(torch.int32), _K_PERM: perm.to(torch.uint8 if perm.shape[1] <= 256 else torch.int16),
             _K_BITS: bits.to(torch.uint8), "k_mean": k_mean, "pages": buf}
+
+
+def sized(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor, spec: PackSpec, pos_len: int,
+          page: int | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a paged segment with the allocation of :func:`pack`'s arguments and uninitialised bytes: what
+    sizing a segment or compiling a launch over it needs, without packing (or holding) any K/V."""
+    D = perm.shape[1]
+    perm, bits, counts, _, _ = storage_order(v_width, bits, perm, spec.k_block)
+    p = PagePlan.build(counts, bits, spec, D, pos_len, page or page_tokens(D))
+    k_mean = torch.empty(int(p.chans[:, 0].sum()), dtype=quant.META_DTYPE, device=perm.device)
+    return _tensors(counts, perm, bits, k_mean, torch.empty(p.total, dtype=torch.uint8, device=perm.device))
 
 
 def plan(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int) -> PagePlan:

@@ -15,7 +15,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import layout, quant
+from . import layout, pages, quant
 from .errors import RDKVError
 from .layout import PackSpec
 
@@ -116,14 +116,16 @@ class TriZoneLayer(CacheLayerMixin):
 
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,
                k_perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
-               prefix_len: int) -> TriZoneLayer:
+               prefix_len: int, paged: bool = False) -> TriZoneLayer:
     """Pack k, v [B, H, T, D] (absolute positions start..start+T-1) given widths per V token
     [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D] (the blocks are stored
-    sorted by width, :func:`rdkv.layout.pack`)."""
+    sorted by width, :func:`rdkv.layout.pack`); ``paged``: in pages (:mod:`rdkv.pages`), which only the page
+    kernel reads so far."""
     B, H, T, D = k.shape
     S = B * H
-    t = layout.pack(k.reshape(S, T, D).float(), v.reshape(S, T, D).float(), start, v_width.reshape(S, T),
-                    k_bits.reshape(S, D // spec.k_block), k_perm.reshape(S, D), spec, dtype16)
+    t = (pages.pack if paged else layout.pack)(k.reshape(S, T, D).float(), v.reshape(S, T, D).float(), start,
+                                               v_width.reshape(S, T), k_bits.reshape(S, D // spec.k_block),
+                                               k_perm.reshape(S, D), spec, dtype16)
     layer = TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=prefix_len, spec=spec,
                          sliding_window=sliding_window, dtype16=dtype16)
     layout.set_zone_c(layer, k.new_zeros(B, H, 0, D, dtype=dtype16), k.new_zeros(B, H, 0, D, dtype=dtype16))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """A bandwidth model of the decode kernels, from the code the GPU would run, built on a machine without one.
 
-For each kernel (the TriZone kernel at its default launch settings, and the full-cache anchor
-``rdkv.kernels.flash_decode`` at each of ``bench_decode.ANCHOR_SETTINGS``):
+For each kernel (the packed TriZone kernel at its launch settings, the page kernel ``rdkv.kernels.page_decode`` at
+batch 1 and 8, 10% and 25%, and the full-cache anchor ``rdkv.kernels.flash_decode`` at each of
+``bench_decode.ANCHOR_SETTINGS``):
 
 1. **Compile exactly what a launch compiles.** The launcher runs on CPU tensors of the benchmark's shape with
    the kernel replaced by a recorder; the recorded arguments go through Triton's own binder
@@ -27,8 +28,11 @@ For each kernel (the TriZone kernel at its default launch settings, and the full
    loop of width w once per block of that width, which the layer's ``k_bits`` give. Warp-instructions per
    step = sum over tiles x warps; the issue ceiling = bytes / (warp-instructions / (SMs x 4 schedulers x
    ``CLOCK_GHZ``)). Predicted bandwidth = min(copy ceiling, Little's law, issue ceiling).
+6. **Page kernel.** A page's loads are independent (one phase of a whole page per program), each V class's page
+   loop is weighted by its pages, and the prediction is scaled by the share of program slots the launch keeps busy
+   (``page_decode.makespan`` over the work items the launcher would cut on the GPU).
 
-    python scripts/bandwidth_model.py              # TriZone at batch 8, 32k, 10% + the anchor settings
+    python scripts/bandwidth_model.py              # packed at batch 8, 32k, 10%; pages and anchor at 128k
     python scripts/bandwidth_model.py --out docs/results   # also write bandwidth_model.md
 """
 from __future__ import annotations
@@ -177,15 +181,62 @@ def trizone_rows(B: int, T: int, budget: float) -> list[dict]:
                               kernel, kwargs["num_warps"], phase * ahead,
                               f"{tile_bytes / 1024:.1f} KB per {block_n}-token tile over {k_blocks} K blocks "
                               f"+ V: {phase:.0f} B per phase x {ahead} in flight", issue))
-    # the page layout of docs/kernels.md: the same bytes, a tile's loads independent (one phase), the default's
-    # occupancy
-    today = rows[0]
-    little = SMS * today["progs"] * tile_bytes / LATENCY_NS
-    rows.append(dict(today, name="page layout (design: default's bytes, registers and instructions, one phase per tile)",
-                     loads="-", share16=1.0, inflight=tile_bytes, per_sm=today["progs"] * tile_bytes, little=little,
-                     gbps=min(COPY_GBPS, little, today["issue"]),
-                     detail="a tile's K sections, V codes and metadata loaded at once from one page base"))
     return rows
+
+
+def paged_layer(B: int, T: int, budget: float):
+    """bench_decode's allocation in pages at the budget (the kept fraction calibrated as ``calibrated_layer`` does),
+    sized but not packed: compiling a launch reads no data, so any context fits in this machine's memory."""
+    from rdkv import layout, pages
+    from rdkv.trizone import TriZoneLayer
+
+    S, fp16, keep = B * bd.H, 2 * B * bd.H * T * bd.D * 2, budget / 0.45
+    for _ in range(2):
+        vw, kb, perm = bd.synth_allocation(B, T, min(1.0, keep))
+        t = pages.sized(vw.view(S, T), kb.view(S, -1), perm.view(S, bd.D), bd.SPEC, T)
+        layer = TriZoneLayer(t, batch=B, heads=bd.H, head_dim=bd.D, start=0, prefix_len=T, spec=bd.SPEC,
+                             sliding_window=None, dtype16=torch.float16)
+        layout.set_zone_c(layer, *(torch.zeros(B, bd.H, bd.FRESH, bd.D, dtype=torch.float16),) * 2)
+        ratio = (layer.nbytes - 2 * B * bd.H * bd.FRESH * bd.D * 2) / fp16
+        keep *= budget / ratio
+    return layer, ratio
+
+
+def page_rows(B: int, T: int, budget: float) -> list[dict]:
+    """The page kernel (rdkv.kernels.page_decode) at its default launch. A page's loads have no dependence on one
+    another, so a program has one page in flight; each V class runs its own page loop, weighted by its pages."""
+    from rdkv.kernels import page_decode as pk
+
+    layer, ratio = paged_layer(B, T, budget)
+    q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
+    cfg = pk.launch_config(bd.D, pk.block_m_for(bd.G), torch.float16)
+    plan = pk.page_plan(layer)
+    # the work items a launch on the GPU would cut (the launcher counts this machine's program slots as 4)
+    split = pk.choose_pages(plan.page0[:, 4].tolist(), SMS * max(1, 65536 // (256 * 32 * cfg.num_warps)))
+    calls = recorded(pk, ("_page_attn", "_lse_merge"),
+                     lambda: pk.page_decode(q, layer, bd.D ** -0.5, launch=pk.LaunchConfig(split=split * plan.page)))
+    grid, args, kwargs = calls["_page_attn"][0]
+    kernel = compile_as_launched(pk._page_attn, args, kwargs, 90)
+    _, loops = sass_loops(kernel)
+    outer = [(a, e) for a, e in loops if not any(c < a and e < f for c, f in loops)]
+    if len(outer) != 5:  # the page loops of V classes 2, 4, 8, 16 in source order, then zone C's
+        raise RuntimeError(f"expected 5 outermost loops (4 page loops + zone C) in the SASS, found {outer}")
+    body = torch.tensor([float(e - a + 1) for a, e in outer[:4]], dtype=torch.float64)
+    class_pages = plan.pages.sum(0).double()
+    per_thread = float(class_pages @ body)
+    warps = kwargs["num_warps"]
+    issue = (per_thread / float(class_pages.sum()), issue_gbps(layer.nbytes, per_thread * warps))
+    page_bytes = plan.total / float(class_pages.sum())
+    row = model_row(f"page kernel, batch {B}, {T // 1024}k, {budget:.0%} (bytes {ratio:.3f})", kernel, warps, page_bytes,
+                    f"{page_bytes / 1024:.1f} KB per {plan.page}-token page, all in flight; SASS per page, V classes "
+                    f"2/4/8/16: {'/'.join(f'{x:.0f}' for x in body.tolist())}", issue)
+    # the SMs stream pages only while every program slot is busy: the schedule's share of busy slots
+    slots = SMS * row["progs"]
+    npg = plan.page0[:, 4].tolist()
+    fill = sum(npg) / (slots * pk.makespan(npg, split, slots))
+    row.update(batch=B, budget=budget, ratio=ratio, fill=fill, gbps=row["gbps"] * fill,
+               detail=row["detail"] + f"; {grid[0]} programs of {split} pages on {slots} slots: {fill:.0%} busy")
+    return [row]
 
 
 def anchor_rows(B: int, T: int) -> list[dict]:
@@ -215,10 +266,15 @@ def main(argv=None) -> int:
                     help="per-tile figures do not depend on it; 32k keeps the CPU packing small")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--budget", type=float, default=0.10)
+    ap.add_argument("--page-context", type=int, default=131072,
+                    help="context of the page kernel's rows (batch 1 and 8, budgets 10%% and 25%%) and of the anchor")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.manual_seed(0)
-    rows = trizone_rows(a.batch, a.context, a.budget) + anchor_rows(a.batch, a.context)
+    T = a.page_context
+    paged = [r for B in (1, 8) for budget in (0.10, 0.25) for r in page_rows(B, T, budget)]
+    anchors = anchor_rows(8, T)
+    rows = trizone_rows(a.batch, a.context, a.budget) + paged + anchors
     lines = [f"# Bandwidth model (sm_90, {SMS} SMs, loaded latency {LATENCY_NS:.0f} ns assumed, ceiling = measured "
              f"copy {COPY_GBPS:.0f} GB/s of nominal {NOMINAL_GBPS:.0f})", "",
              f"Issue ceiling at {CLOCK_GHZ} GHz, 4 warp-instructions per cycle per SM; predicted = min(copy, Little, issue).",
@@ -232,6 +288,13 @@ def main(argv=None) -> int:
                      f"{r['loads']} | {r['share16']:.0%} | {r['inflight'] / 1024:.1f} KB | {r['per_sm'] / 1024:.1f} KB | "
                      f"{r['little']:.0f} | {r['sass_tile']:.0f} | {r['issue']:.0f} | "
                      f"{r['gbps']:.0f} | {r['gbps'] / NOMINAL_GBPS:.0%} | {r['detail']} |")
+    head = next(r for r in paged if r["batch"] == 8 and r["budget"] == 0.10)
+    anchor = max(anchors, key=lambda r: r["gbps"])
+    # step time ratio: the anchor reads the fp16 cache, the page kernel its compressed bytes
+    speed = head["gbps"] / anchor["gbps"] / head["ratio"]
+    lines += ["", f"page kernel, batch 8, {T // 1024}k, 10%: predicted {head['gbps'] / NOMINAL_GBPS:.0%} of HBM peak "
+                  f"(latency {head['little']:.0f} GB/s, issue {head['issue']:.0f} GB/s, {head['fill']:.0%} of program "
+                  f"slots busy), anchor {anchor['gbps'] / NOMINAL_GBPS:.0%}: {speed:.1f}x the anchor's step"]
     text = "\n".join(lines) + "\n"
     print(text)
     save_outputs(a.out, "bandwidth_model", text, dict(rows=rows))

@@ -88,11 +88,10 @@ def best_anchor(q, k, v, bench) -> tuple[float | None, dict | None]:
     return best
 
 
-def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, dtype=torch.float16):
+def synth_allocation(B: int, T: int, keep: float, seed: int = 0):
+    """V widths per token [B, H, T], K widths per block [B, H, D/k_block] and channel orders [B, H, D]."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     S = B * H
-    k = torch.randn(B, H, T, D, device=dev, dtype=dtype)
-    v = torch.randn(B, H, T, D, device=dev, dtype=dtype)
     frac = (keep * (1 + 0.6 * (torch.rand(S, generator=g) - 0.5))).clamp(0, 1)  # ragged allocations
     score = torch.rand(S, T, generator=g)
     recent = min(T, 64)
@@ -107,18 +106,28 @@ def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, d
     vw = torch.where(kept, widths, torch.zeros_like(widths)).view(B, H, T)
     kb = torch.stack([K_WIDTHS[torch.randperm(len(K_WIDTHS), generator=g)] for _ in range(S)]).sort(1).values
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)])
-    layer = pack_layer(k, v, 0, vw.to(dev), kb.view(B, H, -1).to(dev), perm.view(B, H, D).to(dev), SPEC, dtype, None, T)
+    return vw, kb.view(B, H, -1), perm.view(B, H, D)
+
+
+def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, dtype=torch.float16,
+                paged: bool = False):
+    """A layer packed from random K/V with :func:`synth_allocation` (in pages if ``paged``) and ``FRESH`` zone C
+    tokens."""
+    k = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    v = torch.randn(B, H, T, D, device=dev, dtype=dtype)
+    vw, kb, perm = synth_allocation(B, T, keep, seed)
+    layer = pack_layer(k, v, 0, vw.to(dev), kb.to(dev), perm.to(dev), SPEC, dtype, None, T, paged=paged)
     layer.update(torch.randn(B, H, FRESH, D, device=dev, dtype=dtype), torch.randn(B, H, FRESH, D, device=dev, dtype=dtype))
     del k, v
     return layer
 
 
-def calibrated_layer(B, T, budget, dev, dtype=torch.float16):
+def calibrated_layer(B, T, budget, dev, dtype=torch.float16, paged: bool = False):
     """Pack at a first-guess kept fraction, then once more at the fraction that hits the budget."""
     fp16 = 2 * B * H * T * D * 2
     keep = budget / 0.45
     for _ in range(2):
-        layer = synth_layer(B, T, min(1.0, keep), dev, dtype=dtype)
+        layer = synth_layer(B, T, min(1.0, keep), dev, dtype=dtype, paged=paged)
         ratio = (layer.nbytes - 2 * B * H * FRESH * D * 2) / fp16
         keep *= budget / ratio
     return layer, ratio
