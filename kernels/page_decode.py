@@ -9,6 +9,7 @@ class), built once per segment and kept beside it (:func:`rdkv.layout.derived`).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -119,10 +120,8 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
                 softcap: float | None = None, mask: torch.Tensor | None = None,
                 launch: LaunchConfig | None = None) -> torch.Tensor:
     """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D] over a paged
-    segment: the contract of :func:`rdkv.kernels.trizone_decode.trizone_decode`."""
+    layer and its paged folds: the contract of :func:`rdkv.kernels.trizone_decode.trizone_decode`."""
     check(query, layer, softcap, mask)
-    if layer.folds or layout.rope_table(layer) is not None:
-        raise RDKVError("the page kernel does not serve folded segments or keys packed before RoPE yet")
     B, Hq, L, D = query.shape
     H = layer.heads
     G, S = Hq // H, B * H
@@ -131,23 +130,27 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     block_m = block_m_for(GL, query.dtype)
     m_blocks = -(-GL // block_m)
     cfg = launch_config(D, block_m, query.dtype, override=launch)
-    t = layer.t
     if launch is not None and launch.block_n not in (None, P):
         raise RDKVError(f"the page kernel's tile is one page of {P} tokens, got block_n={launch.block_n}")
+    segs = layer.segments()
     if cfg.split:
-        split = -(-cfg.split // P)
+        splits = [-(-cfg.split // P)] * len(segs)
     else:
         slots = program_slots(query, cfg)
-        split = layout.derived(layer, ("page split", slots),
-                               lambda: choose_pages(page_plan(layer).page0[:, 4].tolist(), slots))
-    tab = tables(layer, split)
+        splits = [layout.derived(seg, ("page split", slots),
+                                 lambda seg=seg: choose_pages(page_plan(seg).page0[:, 4].tolist(), slots))
+                  for seg in segs]
+    tabs = [tables(seg, split) for seg, split in zip(segs, splits)]
     seq = layer.get_seq_length()
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     kc, vc = layout.zone_c(layer)
     n_c = kc.shape[2]
-    split_c = tab.split * P
+    split_c = tabs[0].split * P
     c_chunks = -(-n_c // split_c)
-    n_prog = tab.n_ab + S * c_chunks
+    # partial results: segment 0's work items, zone C's, then each fold's
+    sizes = [tabs[0].n_ab + S * c_chunks] + [tab.n_ab for tab in tabs[1:]]
+    offs = [0] + list(itertools.accumulate(sizes))[:-1]
+    n_prog = sum(sizes)
     out = torch.empty(B, Hq, L, D, dtype=query.dtype, device=query.device)
     part = torch.empty(max(1, n_prog), GL, D, dtype=torch.float32, device=query.device)
     lse = torch.empty(max(1, n_prog), GL, dtype=torch.float32, device=query.device)
@@ -156,27 +159,36 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
         mask_args = (m8, m8.stride(0) if mask.shape[0] > 1 else 0, m8.stride(2), m8.stride(3))
     else:
         mask_args = (out, 0, 0, 0)
-    buf = t["pages"] if t["pages"].numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
-    pos_bytes = layout.pos_bytes(layer.prefix_len)
-    if n_prog:
-        qp = query.reshape(S, GL, D).gather(2, layout.k_perm(layer).long().unsqueeze(1).expand(S, GL, D))
-        _page_attn[(n_prog, m_blocks)](
-            query, *query.stride(), qp, part, lse,
-            buf, buf.view(torch.float16),
-            buf.view(layer.dtype16),
-            buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
+    rows = query.reshape(S, GL, D)
+    for j, (seg, tab, off, size) in enumerate(zip(segs, tabs, offs, sizes)):
+        if not size:
+            continue
+        t, rope, perm = seg.t, layout.rope_table(seg), layout.k_perm(seg)
+        seg_cfg = launch_config(D, block_m, query.dtype, rope is not None, launch)
+        buf = t["pages"] if t["pages"].numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
+        pos_bytes = layout.pos_bytes(seg.prefix_len)
+        qp = rows.gather(2, perm.long().unsqueeze(1).expand(S, GL, D))  # each stream's packed channel order
+        _page_attn[(size, m_blocks)](
+            query, *query.stride(), qp, part[off:], lse[off:],
+            buf, buf.view(torch.float16), buf.view(seg.dtype16), buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
             _nonempty(t["k_mean"], torch.float16, query.device), tab.st, tab.cbase, tab.wi_s, tab.wi_lo,
-            kc, *kc.stride(), vc, *vc.stride(), *mask_args,
-            tab.n_ab, n_c, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
+            kc, *kc.stride(), vc, *vc.stride(), *mask_args, perm, _nonempty(rope, torch.float32, query.device),
+            tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
             H, G, L, tab.split, split_c,
-            D=D, P=P, **tab.bounds, VG2=layer.spec.v_group_of(2), VG4=layer.spec.v_group_of(4),
-            VG8=layer.spec.v_group_of(8), POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
+            D=D, P=P, **tab.bounds, VG2=seg.spec.v_group_of(2), VG4=seg.spec.v_group_of(4),
+            VG8=seg.spec.v_group_of(8), POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+            ROPE=rope is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": seg_cfg.maxnreg} if seg_cfg.maxnreg else {}),
         )
+    if len(tabs) == 1:
+        seg_first, seg_cnt = tabs[0].ab_first, tabs[0].ab_cnt
+    else:
+        seg_first = torch.stack([tab.ab_first + off for tab, off in zip(tabs, offs)])
+        seg_cnt = torch.stack([tab.ab_cnt for tab in tabs])
     block_d = min(D, MERGE_BLOCK_D)
-    _lse_merge[(S, m_blocks * (D // block_d))](part, lse, tab.ab_first, tab.ab_cnt, 1, out, tab.n_ab, c_chunks, H, G,
-                                                L, D=D, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=MERGE_WARPS)
+    _lse_merge[(S, m_blocks * (D // block_d))](part, lse, seg_first, seg_cnt, len(tabs), out, tabs[0].n_ab, c_chunks,
+                                                H, G, L, D=D, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=MERGE_WARPS)
     return out

@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 
-from rdkv import layout, pages
+from rdkv import layout, pages, rope
 from rdkv.dense import allowed_keys
 from rdkv.layout import PackSpec
 from rdkv.reference import merge, partial_attention, queries
@@ -45,11 +45,17 @@ def build(seed, B, H, T, D, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), n_c=5,
     return layer, k, v, vw, kb, perm
 
 
-def reference(q, layer, scaling):
-    qq, q_pos, window, _ = queries(q, layer, None, None)
+def reference(q, layer, scaling, window=None):
+    """Attention over every segment's dequantized pages (pre-RoPE keys rotated to their positions) and zone C."""
+    qq, q_pos, window, _ = queries(q, layer, window, None)
     S, _, D = qq.shape
-    K, V, pos, valid = pages.dequantize(layer.t, layer.spec, D, layer.prefix_len, pages.page_tokens(D), torch.float16)
-    parts = [partial_attention(qq, K, V, allowed_keys(q_pos, pos, window) & valid.unsqueeze(1), scaling, None)]
+    parts = []
+    for seg in layer.segments():
+        K, V, pos, valid = pages.dequantize(seg.t, seg.spec, D, seg.prefix_len, pages.page_tokens(D), torch.float16)
+        table = layout.rope_table(seg)
+        if table is not None:
+            K = rope.rotate(K, pos, table)
+        parts.append(partial_attention(qq, K, V, allowed_keys(q_pos, pos, window) & valid.unsqueeze(1), scaling, None))
     kc, vc = (x.float().reshape(S, -1, D) for x in layout.zone_c(layer))
     c_pos = torch.arange(layer.c_start, layer.get_seq_length())
     parts.append(partial_attention(qq, kc, vc, allowed_keys(q_pos, c_pos, window).expand(S, -1, -1), scaling, None))
@@ -82,6 +88,44 @@ def test_page_kernel_matches_oracle(B, H, T, D, G, L, dtype, vmix, kmix):
     q = torch.randn(B, H * G, L, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = page_decode(q, layer, D ** -0.5)
     torch.testing.assert_close(got.float(), reference(q, layer, D ** -0.5).float(), **TOL[dtype])
+
+
+def rope_table(D: int) -> torch.Tensor:
+    """D/2 inverse frequencies, then an attention scaling that is not 1 (rdkv.rope's table)."""
+    return torch.cat([10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float32) / D), torch.tensor([1.25])])
+
+
+@pytest.mark.parametrize("D,start,dtype,kmix", [(64, 0, torch.float32, (0, 2, 4, 8, 16)),
+                                                (128, 8000, torch.float16, (0, 2, 4, 8, 16)),
+                                                (64, 40, torch.float16, (0,))])  # every K channel a mean
+def test_pre_rope_keys_are_rotated_to_each_page(D, start, dtype, kmix):
+    """Keys packed before RoPE: the kernel rotates every width's channels (means included) to each page's
+    positions; without the table the output differs, so the rotation is what the oracle checks."""
+    layer = build(D, 2, 2, 300, D, kmix=kmix, start=start)[0]
+    q = torch.randn(2, 6, 2, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    plain = page_decode(q, layer, D ** -0.5)
+    layout.set_rope_table(layer, rope_table(D))
+    got = page_decode(q, layer, D ** -0.5)
+    torch.testing.assert_close(got.float(), reference(q, layer, D ** -0.5).float(), **TOL[dtype])
+    assert (got.float() - plain.float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("split", [None, 64])
+def test_folds_merge_with_the_prefix_and_zone_c(split):
+    """A pre-RoPE prefix, two post-RoPE folds (one fully evicted) and zone C in one call, with and without a window
+    that hides the prefix; ``split`` in tokens: one page per work item."""
+    from rdkv.kernels.trizone_decode import LaunchConfig
+
+    layer = build(13, 2, 2, 300, 64, n_c=0, start=0)[0]
+    layout.set_rope_table(layer, rope_table(64))
+    layer.folds = [build(14, 2, 2, 150, 64, n_c=0, start=300)[0], build(15, 2, 2, 90, 64, vmix=(0,), n_c=0, start=450)[0]]
+    layer.c_start = 540
+    g = torch.Generator().manual_seed(2)
+    layer.update(*(torch.randn(2, 2, 7, 64, generator=g) for _ in range(2)))
+    for dtype, window in ((torch.float16, None), (torch.float32, 200)):
+        q = torch.randn(2, 6, 2, 64, generator=g).to(dtype)
+        got = page_decode(q, layer, 0.125, sliding_window=window, launch=LaunchConfig(split=split))
+        torch.testing.assert_close(got.float(), reference(q, layer, 0.125, window).float(), **TOL[dtype])
 
 
 def test_work_items_keep_every_program_slot_busy():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .trizone_decode import _add, _dequant, _online_step, _store_partial, _visible, _zone_c
+from .trizone_decode import _add, _dequant, _online_step, _rope_dot, _store_partial, _visible, _zone_c
 
 # fields of a stream's row in the int32 table the launcher builds (rdkv.kernels.page_decode.stream_table)
 F_CHANS = tl.constexpr(0)  # channels of K width 2, 4, 8, 16 (4 fields)
@@ -37,23 +37,37 @@ def _q_cols(qp_rows, row_ok, c0, n, CW: tl.constexpr):
 
 
 @triton.jit
-def _k_packed(scores, zsum, qw, pg8, pgh, base, off, meta, zoff, n,
-              W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Add q . K over a page's ``n`` channels of width ``W`` to ``scores`` [BLOCK_M, P] and q . zero to ``zsum``.
+def _k_codes(pg8, base, off, n, W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr):
+    """The codes [CW, P] of a page's ``n`` channels of width ``W`` (zero past ``n``).
 
     Byte row r of the section holds channels r * 8/W + k (bits k * W) of the page's P tokens, so a row is P
-    consecutive bytes and unpacks to [CW, P] without crossing threads. ``meta``/``zoff``: the channels' scales
-    in fp16 elements of the page buffer, and how far the zeros are behind them."""
+    consecutive bytes and unpacks to [CW, P] without crossing threads."""
     PER: tl.constexpr = 8 // W
     RB: tl.constexpr = CW // PER
     r = tl.arange(0, RB)
     t = tl.arange(0, P)
     byte = tl.load(pg8 + base + off + (r[:, None] * P + t[None, :]), mask=(r < n // PER)[:, None], other=0)
     sh = tl.arange(0, PER) * W
-    code = tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [CW, P])
+    return tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [CW, P])
+
+
+@triton.jit
+def _k_meta(pgh, meta, zoff, n, CW: tl.constexpr):
+    """The fp32 scales and zeros [CW] of ``n`` packed channels: ``meta``/``zoff`` are where the scales sit in fp16
+    elements of the page buffer and how far the zeros are behind them."""
     j = tl.arange(0, CW)
     sc = tl.load(pgh + meta + j, mask=j < n, other=0.0).to(tl.float32)
-    zp = tl.load(pgh + meta + zoff + j, mask=j < n, other=0.0).to(tl.float32)
+    return sc, tl.load(pgh + meta + zoff + j, mask=j < n, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _k_packed(scores, zsum, qw, pg8, pgh, base, off, meta, zoff, n,
+              W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Add q . K over a page's ``n`` channels of width ``W`` to ``scores`` [BLOCK_M, P] and q . zero to ``zsum``:
+    the channels' scales fold into q (``q . (code * s + z) = (q * s) . code + q . z``), so the codes go to the dot
+    as their exact fp16 images ``(0x6400 | code) - 1024``."""
+    code = _k_codes(pg8, base, off, n, W, CW, P)
+    sc, zp = _k_meta(pgh, meta, zoff, n, CW)
     qf = qw.to(tl.float32)
     zsum += tl.reduce(qf * zp[None, :], 1, _add)
     if DOT == tl.float16:
@@ -64,17 +78,31 @@ def _k_packed(scores, zsum, qw, pg8, pgh, base, off, meta, zoff, n,
 
 
 @triton.jit
+def _k_rope(scores, pg8, pgh, base, off, meta, zoff, c0, n, kposf, q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd,
+            W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+            PREC: tl.constexpr):
+    """Add q . RoPE(K) over a page's ``n`` pre-RoPE channels of width ``W`` (permuted channels from ``c0``): the
+    keys dequantized in fp32 and rotated to the page's positions (:func:`_rope_dot`)."""
+    code = _k_codes(pg8, base, off, n, W, CW, P)
+    sc, zp = _k_meta(pgh, meta, zoff, n, CW)
+    kt = code.to(tl.float32) * sc[:, None] + zp[:, None]
+    return _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, c0, n, rope_ptr, CW, D, sqd, DOT, PREC)
+
+
+@triton.jit
 def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bias, row_ok, q_pos, q_l,
                 pg8, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap, scale2,
-                C: tl.constexpr, D: tl.constexpr, P: tl.constexpr, C2: tl.constexpr, C4: tl.constexpr,
-                C8: tl.constexpr, C16: tl.constexpr, K2: tl.constexpr, K4: tl.constexpr, K8: tl.constexpr,
-                K16: tl.constexpr, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
+                q_row_ptrs, sqd, perm_ptr, rope_ptr, kmean_ptr,
+                C: tl.constexpr, D: tl.constexpr, P: tl.constexpr, C0: tl.constexpr, C2: tl.constexpr,
+                C4: tl.constexpr, C8: tl.constexpr, C16: tl.constexpr, K2: tl.constexpr, K4: tl.constexpr,
+                K8: tl.constexpr, K16: tl.constexpr, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
                 POS_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr):
     """The pages of V class ``C`` (width 2 << C) among pages [lo, hi) of stream ``s``.
 
     V is dequantized as in the packed kernel (:func:`rdkv.kernels.device.trizone_decode._ab_class`): per code plane
-    where rows are at least 16 bytes and the program holds 16 query rows, else unpacked to [P, D]."""
+    where rows are at least 16 bytes and the program holds 16 query rows, else unpacked to [P, D]. ``ROPE``: the
+    keys were packed before RoPE and are rotated to each page's positions, the width-0 means included."""
     VW: tl.constexpr = 2 << C
     if VW == 2:
         V_GROUP: tl.constexpr = VG2
@@ -126,14 +154,38 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bia
         scores = tl.full([BLOCK_M, P], 0.0, dtype=tl.float32)
         zsum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
         meta = (base + kmeta) // 2
-        if K2:
+        if ROPE:
+            kposf = kpos.to(tl.float32)
+            if C0 > 0:
+                n0 = tl.load(st + F_C0)
+                j0 = tl.arange(0, C0)
+                mean = tl.load(kmean_ptr + tl.load(st + F_MEAN0) + j0, mask=j0 < n0, other=0.0).to(tl.float32)
+                kt = tl.broadcast_to(mean[:, None], [C0, P])
+                scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, 0, n0, rope_ptr, C0, D, sqd,
+                                   DOT, PREC)
+            if K2:
+                scores = _k_rope(scores, pg8, pgh, base, o2, meta, zoff, tl.load(st + F_CH0), n2, kposf, q_row_ptrs,
+                                 row_ok, perm_ptr, s, rope_ptr, sqd, 2, C2, P, D, DOT, PREC)
+            if K4:
+                scores = _k_rope(scores, pg8, pgh, base, o4, meta + n2, zoff, tl.load(st + F_CH0 + 1), n4, kposf,
+                                 q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd, 4, C4, P, D, DOT, PREC)
+            if K8:
+                scores = _k_rope(scores, pg8, pgh, base, o8, meta + n2 + n4, zoff, tl.load(st + F_CH0 + 2), n8, kposf,
+                                 q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd, 8, C8, P, D, DOT, PREC)
+            if K16:
+                j = tl.arange(0, C16)
+                kt = tl.load(pg16 + (base + o16) // 2 + (j[:, None] * P + t[None, :]), mask=(j < n16)[:, None],
+                             other=0.0)
+                scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s,
+                                   tl.load(st + F_CH0 + 3), n16, rope_ptr, C16, D, sqd, DOT, PREC)
+        if K2 and not ROPE:
             scores, zsum = _k_packed(scores, zsum, q2, pg8, pgh, base, o2, meta, zoff, n2, 2, C2, P, DOT, PREC)
-        if K4:
+        if K4 and not ROPE:
             scores, zsum = _k_packed(scores, zsum, q4, pg8, pgh, base, o4, meta + n2, zoff, n4, 4, C4, P, DOT, PREC)
-        if K8:
+        if K8 and not ROPE:
             scores, zsum = _k_packed(scores, zsum, q8, pg8, pgh, base, o8, meta + n2 + n4, zoff, n8, 8, C8, P, DOT,
                                      PREC)
-        if K16:
+        if K16 and not ROPE:
             j = tl.arange(0, C16)
             kt = tl.load(pg16 + (base + o16) // 2 + (j[:, None] * P + t[None, :]), mask=(j < n16)[:, None], other=0.0)
             scores = tl.dot(q16.to(DOT), kt.to(DOT), scores, input_precision=PREC)
@@ -186,14 +238,14 @@ def _page_attn(
     q_ptr, sqb, sqh, sql, sqd, qp_ptr, out_ptr, lse_ptr,
     pg8, pgh, pg16, pgpos, kmean_ptr, st_ptr, cbase_ptr, wi_s_ptr, wi_lo_ptr,
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
-    mask_ptr, smb, sml, smk,
+    mask_ptr, smb, sml, smk, perm_ptr, rope_ptr,
     n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
     H, G, L, SPLIT, SPLIT_C,
     D: tl.constexpr, P: tl.constexpr, C0: tl.constexpr, C2: tl.constexpr, C4: tl.constexpr, C8: tl.constexpr,
     C16: tl.constexpr, K2: tl.constexpr, K4: tl.constexpr, K8: tl.constexpr, K16: tl.constexpr,
     VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, POS_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     mb = tl.program_id(1)
@@ -212,10 +264,12 @@ def _page_attn(
         lo = tl.load(wi_lo_ptr + pid)
         hi = tl.minimum(lo + SPLIT, tl.load(st + F_PAGE0 + 4))
         b = s // H
+        q_row_ptrs = q_ptr + b * sqb + ((s % H) * G + g).to(tl.int64) * sqh + q_l * sql
         qp_rows = qp_ptr + (s * GL + m).to(tl.int64) * D  # q in the stream's permuted channel order [S, GL, D]
-        # width-0 channels: every kept token has the channel means, a constant score per query row
+        # width-0 channels: every kept token has the channel means, a constant score per query row (unless ROPE
+        # rotates them to each token's position: then _page_class adds them per page)
         bias = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        if C0 > 0:
+        if C0 > 0 and not ROPE:
             n0 = tl.load(st + F_C0)
             j = tl.arange(0, C0)
             mean = tl.load(kmean_ptr + tl.load(st + F_MEAN0) + j, mask=j < n0, other=0.0).to(tl.float32)
@@ -228,8 +282,9 @@ def _page_attn(
         for c in tl.static_range(4):
             m_i, l_i, acc = _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bias, row_ok,
                                         q_pos, q_l, pg8, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap,
-                                        scale2, c, D, P, C2, C4, C8, C16, K2, K4, K8, K16, VG2, VG4, VG8, POS_BYTES,
-                                        BLOCK_M, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP)
+                                        scale2, q_row_ptrs, sqd, perm_ptr, rope_ptr, kmean_ptr, c, D, P, C0, C2, C4,
+                                        C8, C16, K2, K4, K8, K16, VG2, VG4, VG8, POS_BYTES, BLOCK_M, DOT, PREC,
+                                        HAS_WINDOW, HAS_MASK, SOFTCAP, ROPE)
     else:
         m_i, l_i, acc = _zone_c(m_i, l_i, acc, pid - n_ab, c_chunks, SPLIT_C, n_c, H, G, g, q_l, q_pos, row_ok,
                                 q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,

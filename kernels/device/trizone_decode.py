@@ -30,9 +30,10 @@ def _q_block(qp_rows, row_ok, blk, KB: tl.constexpr):
 
 
 @triton.jit
-def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB: tl.constexpr, D: tl.constexpr,
-              sqd, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Add q . RoPE(kt) for pre-RoPE keys ``kt`` [KB, BLOCK_N] at the channels of permuted block ``blk``.
+def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, c0, n, rope_ptr, CW: tl.constexpr,
+              D: tl.constexpr, sqd, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Add q . RoPE(kt) for pre-RoPE keys ``kt`` [CW, BLOCK_N] at the ``n`` permuted channels from ``c0`` (rows of
+    ``kt`` past ``n`` must be zero).
 
     Rotate-half RoPE turns channel c of a key at position p into k_c cos(p w_c) -/+ k_partner sin(p w_c), with
     partner = c +/- D/2. Collecting the terms per stored channel, q . RoPE(k) = sum_c k_c (q_c cos + sign_c
@@ -40,11 +41,13 @@ def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
     whatever order the permutation put them: two dots, against k * cos and k * sin. ``rope_ptr`` holds the
     layer's D/2 inverse frequencies, then RoPE's attention scaling (rdkv.rope)."""
     HALF: tl.constexpr = D // 2
-    ch = tl.load(perm_ptr + s * D + blk * KB + tl.arange(0, KB)).to(tl.int64)
+    j = tl.arange(0, CW)
+    ch = tl.load(perm_ptr + s * D + c0 + j, mask=j < n, other=0).to(tl.int64)
     low = ch < HALF
     partner = tl.where(low, ch + HALF, ch - HALF)
-    qa = tl.load(q_row_ptrs[:, None] + ch[None, :] * sqd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qp = tl.load(q_row_ptrs[:, None] + partner[None, :] * sqd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    ok = row_ok[:, None] & (j < n)[None, :]
+    qa = tl.load(q_row_ptrs[:, None] + ch[None, :] * sqd, mask=ok, other=0.0).to(tl.float32)
+    qp = tl.load(q_row_ptrs[:, None] + partner[None, :] * sqd, mask=ok, other=0.0).to(tl.float32)
     qp = tl.where(low[None, :], qp, -qp)
     ang = tl.load(rope_ptr + ch % HALF)[:, None] * kposf[None, :]  # the same fp32 product rdkv.rope forms
     kt = kt * tl.load(rope_ptr + HALF)
@@ -93,12 +96,12 @@ def _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_b
         if W == 0:  # only with ROPE: a mean's score depends on the position it is rotated to
             mean = tl.load(codes_ptr + row0 * KB + c).to(tl.float32)
             kt = tl.where(tok_ok[None, :], mean[:, None], 0.0)
-            scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd, DOT, PREC)
+            scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk * KB, KB, rope_ptr, KB, D, sqd, DOT, PREC)
         elif W == 16:
             kt = tl.load(codes_ptr + row0 * KB + (i[None, :] * KB + c[:, None]), mask=tok_ok[None, :], other=0.0)
             if ROPE:
-                scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr,
-                                   KB, D, sqd, DOT, PREC)
+                scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s, blk * KB, KB,
+                                   rope_ptr, KB, D, sqd, DOT, PREC)
             else:
                 qb = _q_block(qp_rows, row_ok, blk, KB)
                 scores += tl.dot(qb.to(DOT), kt.to(DOT), input_precision=PREC)
@@ -116,8 +119,8 @@ def _k_scores(scores, q_row_ptrs, qp_rows, row_ok, perm_ptr, s, i, tok_ok, tab_b
             zp = tl.load(zero_ptr + sz, mask=tok_ok[None, :], other=0.0)
             if ROPE:  # rotated in fp32
                 kt = _dequant(code, sc, zp, tl.float32)
-                scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk, rope_ptr, KB, D, sqd,
-                                   DOT, PREC)
+                scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, blk * KB, KB, rope_ptr, KB, D,
+                                   sqd, DOT, PREC)
             else:
                 kt = _dequant(code, sc, zp, DOT)
                 qb = _q_block(qp_rows, row_ok, blk, KB)
