@@ -252,3 +252,196 @@ int rdkv_attend(const void *const codes[4], const half *const scale[4], const ha
     free(partial);
     return failed; /* out of memory: part of the sum is missing */
 }
+
+/* ---- the page layout (rdkv.pages) ------------------------------------------------------------------------------
+ * A segment is one byte buffer of pages; each stream's row of ``st`` (int64, the fields below, built from
+ * rdkv.pages.PagePlan by kernels/cpu_dequant.py) gives every offset. A page of stream s and V class c holds up to P
+ * tokens: K codes of widths 2, 4, 8 (byte row r of width w: channels r * 8/w + k at bits k * w, one byte per token),
+ * 16-bit K rows channel-major, an fp16 scale then zero per packed K channel, V codes [P, D*w/8] then V scales and
+ * zeros [P, D/g] each (class 16: 16-bit rows [P, D]). K channels are in the stream's permuted order, widths
+ * 0, 2, 4, 8, 16 in turn; width-0 channels are the means ``kmean`` outside the pages. A stream's tokens are its
+ * classes in turn, each cut into pages. */
+enum { T_CHANS = 0, T_CH0 = 5, T_KOFF = 10, T_KMETA = 14, T_VOFF = 15, T_PAGE0 = 16, T_COUNT = 21, T_PSIZE = 25,
+       T_CBASE = 29, T_MEAN0 = 33, T_FIELDS = 34 };
+
+typedef struct { int64_t base, t0, live, c; } page_at;
+
+/* Page ``pg`` of a stream: byte offset, first token among the stream's kept tokens, tokens held, V class. */
+static page_at locate(const int64_t *t, int64_t pg, int64_t P) {
+    page_at a = {0, 0, 0, 0};
+    while (a.c < 3 && pg >= t[T_PAGE0 + a.c + 1]) a.c++;
+    const int64_t j = pg - t[T_PAGE0 + a.c];
+    for (int u = 0; u < a.c; u++) a.t0 += t[T_COUNT + u];
+    a.t0 += j * P;
+    a.live = t[T_COUNT + a.c] - j * P < P ? t[T_COUNT + a.c] - j * P : P;
+    a.base = t[T_CBASE + a.c] + j * t[T_PSIZE + a.c];
+    return a;
+}
+
+/* The page's keys of widths 2, 4, 8, 16 into o[c * P + t] (c: permuted channel from the first of width 2), t < live. */
+static void page_keys(const uint8_t *pg, const int64_t *t, int64_t P, int64_t live, int bf16, float *restrict o) {
+    const int64_t packed = t[T_CHANS + 1] + t[T_CHANS + 2] + t[T_CHANS + 3];
+    const half *scale = (const half *)(pg + t[T_KMETA]), *zero = scale + packed;
+    int64_t c = 0;
+    for (int i = 1; i <= 3; i++) {
+        const int bits = BITS_OF[i], per = 8 / bits, m = (1 << bits) - 1;
+        const uint8_t *sec = pg + t[T_KOFF + i - 1];
+        for (int64_t j = 0; j < t[T_CHANS + i]; j++, c++) {
+            const uint8_t *row = sec + j / per * P;
+            const int sh = (int)(j % per) * bits;
+            const float s = (float)scale[c], z = (float)zero[c];
+            for (int64_t u = 0; u < live; u++) o[c * P + u] = (float)((row[u] >> sh) & m) * s + z;
+        }
+    }
+    const void *k16 = pg + t[T_KOFF + 3];
+    for (int64_t j = 0; j < t[T_CHANS + 4]; j++, c++)
+        for (int64_t u = 0; u < live; u++) o[c * P + u] = x16(k16, j * P + u, bf16);
+}
+
+/* The page's positions into pos[t], t < live: the page's last section, int16 or int32. */
+static void page_pos(const uint8_t *pg, const int64_t *t, const page_at *a, int64_t P, int pos_bytes, int64_t *pos) {
+    const uint8_t *ps = pg + t[T_PSIZE + a->c] - P * pos_bytes;
+    for (int64_t u = 0; u < a->live; u++) {
+        if (pos_bytes == 2) {
+            int16_t x;
+            memcpy(&x, ps + 2 * u, 2);
+            pos[u] = x;
+        } else {
+            int32_t x;
+            memcpy(&x, ps + 4 * u, 4);
+            pos[u] = x;
+        }
+    }
+}
+
+/* scores [S, GL, N] := q [S, GL, D] (each stream's permuted channel order) dotted with every kept key of the
+ * segment's pages, stream s's token t at scores[(s * GL + l) * N + t] in storage order; columns past a stream's
+ * count are left as they are. A page's keys are dequantized into a buffer the L1 cache holds, then multiplied.
+ * pos (or NULL) [S, N] := the tokens' positions. */
+int rdkv_page_scores(const uint8_t *buf, const int64_t *st, const half *kmean, int bf16, int64_t S, int64_t P,
+                     int64_t D, const float *q, int64_t GL, int64_t N, float *scores, int pos_bytes, int64_t *pos,
+                     int threads) {
+    int64_t most = 0;
+    int failed = 0;
+    for (int64_t s = 0; s < S; s++) most = st[s * T_FIELDS + T_PAGE0 + 4] > most ? st[s * T_FIELDS + T_PAGE0 + 4] : most;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = malloc((size_t)(D * P) * sizeof(float));
+        if (!tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 4) /* pages hold disjoint tokens */
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t pg = 0; pg < most; pg++) {
+                const int64_t *t = st + s * T_FIELDS;
+                if (pg >= t[T_PAGE0 + 4] || !tile) continue;
+                const page_at a = locate(t, pg, P);
+                const int64_t c0 = t[T_CHANS], kept = D - c0; /* channels of width 0, the rest */
+                page_keys(buf + a.base, t, P, a.live, bf16, tile);
+                if (pos) page_pos(buf + a.base, t, &a, P, pos_bytes, pos + s * N + a.t0);
+                for (int64_t l = 0; l < GL; l++) {
+                    const float *ql = q + (s * GL + l) * D;
+                    float *row = scores + (s * GL + l) * N + a.t0, w = 0.0f;
+                    for (int64_t c = 0; c < c0; c++) w += ql[c] * (float)kmean[t[T_MEAN0] + c];
+                    for (int64_t u = 0; u < a.live; u++) row[u] = w;
+                    dot_rows(row, ql + c0, tile, kept, P, a.live);
+                }
+            }
+        free(tile);
+    }
+    return failed;
+}
+
+/* out [S, D, N] := the keys of every stream, channel-major in its permuted channel order, its positions into
+ * pos [S, N] (int64); zero past a stream's count. For pre-RoPE keys, which are rotated in torch. */
+int rdkv_page_keys(const uint8_t *buf, const int64_t *st, const half *kmean, int bf16, int64_t S, int64_t P,
+                   int64_t D, int64_t N, int pos_bytes, float *out, int64_t *pos, int threads) {
+    int failed = 0;
+    memset(out, 0, (size_t)(S * D * N) * sizeof(float));
+    memset(pos, 0, (size_t)(S * N) * sizeof(int64_t));
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = malloc((size_t)(D * P) * sizeof(float));
+        if (!tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t *t = st + s * T_FIELDS, c0 = t[T_CHANS];
+            for (int64_t pg = 0; pg < t[T_PAGE0 + 4] && tile; pg++) {
+                const page_at a = locate(t, pg, P);
+                page_keys(buf + a.base, t, P, a.live, bf16, tile);
+                float *o = out + s * D * N + a.t0;
+                for (int64_t c = 0; c < c0; c++)
+                    for (int64_t u = 0; u < a.live; u++) o[c * N + u] = (float)kmean[t[T_MEAN0] + c];
+                for (int64_t c = c0; c < D; c++) memcpy(o + c * N, tile + (c - c0) * P, (size_t)a.live * sizeof(float));
+                page_pos(buf + a.base, t, &a, P, pos_bytes, pos + s * N + a.t0);
+            }
+        }
+        free(tile);
+    }
+    return failed;
+}
+
+#define CHUNK_PAGES 16 /* pages of one work item of rdkv_page_attend, summed into its own partial */
+
+/* out [S, GL, D] (channel 2j + i at column i * D/2 + j) += p [S, GL, .] times the values of the segment's pages,
+ * p[s, l, t] at p + (s * GL + l) * ldp + t for stream s's token t in storage order. group: V scale group of
+ * classes 2, 4, 8. */
+int rdkv_page_attend(const uint8_t *buf, const int64_t *st, const int64_t group[3], int bf16, int64_t S, int64_t P,
+                     int64_t D, const float *p, int64_t GL, int64_t ldp, float *out, int threads) {
+    static const int bits[4] = {2, 4, 8, 16};
+    int64_t chunks = 0;
+    int failed = 0;
+    for (int64_t s = 0; s < S; s++) { /* pages per stream -> work items */
+        const int64_t m = (st[s * T_FIELDS + T_PAGE0 + 4] + CHUNK_PAGES - 1) / CHUNK_PAGES;
+        chunks = m > chunks ? m : chunks;
+    }
+    /* one partial per work item (stream, chunk), added in item order after the loop: the same floats on any
+     * thread count */
+    const int64_t size = GL * D, items = S * chunks;
+    float *partial = calloc((size_t)(items * size + 1), sizeof(float));
+    if (!partial) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = malloc((size_t)(P * D) * sizeof(float));
+        if (!tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t s = item / chunks, *t = st + s * T_FIELDS, pg0 = item % chunks * CHUNK_PAGES;
+            for (int64_t pg = pg0; pg < pg0 + CHUNK_PAGES && pg < t[T_PAGE0 + 4] && tile; pg++) {
+                const page_at a = locate(t, pg, P);
+                const int w = bits[a.c];
+                const int64_t G = w == 16 ? 0 : D / group[a.c], rb = D * w / 8;
+                const uint8_t *v = buf + a.base + t[T_VOFF];
+                const half *scale = w == 16 ? 0 : (const half *)(v + P * rb);
+                v_rows(v, scale, w == 16 ? 0 : scale + P * G, w, bf16, a.live, D, w == 16 ? D : group[a.c], tile);
+                for (int64_t l = 0; l < GL; l++) /* BLOCK channels at a time accumulate over the page's rows */
+                    for (int64_t d = 0; d < D; d += BLOCK) {
+                        const float *pl = p + (s * GL + l) * ldp + a.t0;
+                        float *restrict acc = partial + item * size + l * D + d;
+                        if (d + BLOCK > D) {
+                            for (int64_t r = 0; r < a.live; r++)
+                                for (int64_t j = 0; j < D - d; j++) acc[j] += pl[r] * tile[r * D + d + j];
+                            continue;
+                        }
+                        float sum[BLOCK];
+                        for (int j = 0; j < BLOCK; j++) sum[j] = acc[j];
+                        for (int64_t r = 0; r < a.live; r++)
+                            for (int j = 0; j < BLOCK; j++) sum[j] += pl[r] * tile[r * D + d + j];
+                        for (int j = 0; j < BLOCK; j++) acc[j] = sum[j];
+                    }
+            }
+        }
+        free(tile);
+    }
+    for (int64_t item = 0; item < items; item++) /* rows are in v_rows's column order, as out is */
+        for (int64_t i = 0; i < size; i++) out[item / chunks * size + i] += partial[item * size + i];
+    free(partial);
+    return failed;
+}

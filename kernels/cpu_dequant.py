@@ -24,6 +24,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from rdkv.cachedir import cache_dir, trusted as _trusted
 from rdkv.errors import RDKVError
 from rdkv.quant import WIDTHS as K_WIDTHS
 from rdkv.layout import V_CLASSES
+from rdkv.pages import PagePlan
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
 # The first that builds. 256-bit vectors: a value row's loops run 16 to 32 times, which 512-bit vectors of bytes
@@ -104,6 +106,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
                                 ctypes.c_int]
     lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
+    INT = ctypes.c_int
+    lib.rdkv_page_scores.argtypes = [P, P, P, INT, I64, I64, I64, P, I64, I64, P, INT, P, INT]
+    lib.rdkv_page_keys.argtypes = [P, P, P, INT, I64, I64, I64, I64, INT, P, P, INT]
+    lib.rdkv_page_attend.argtypes = [P, P, I64 * 3, INT, I64, I64, I64, P, I64, I64, P, INT]
     return lib
 
 
@@ -281,3 +287,87 @@ def scores(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, r
                              n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs, query.data_ptr(), GL, N,
                              out.data_ptr(), torch.get_num_threads()):
         raise MemoryError("rdkv_scores: out of memory for its per-thread buffers")
+
+
+# --- the page layout (rdkv.pages) -------------------------------------------------------------------------------
+PAGE_FIELDS = 34  # int64 fields of a stream's row of the page table (cpu_dequant.c, T_*)
+
+
+def page_table(plan: PagePlan) -> np.ndarray:
+    """[S, PAGE_FIELDS] int64: a stream's channels, first channel per K width 0-16, K section offsets, K scale offset,
+    V offset, class boundaries along its pages, tokens, page sizes and first-page offsets per class, first mean."""
+    p = plan
+    rows = torch.cat([p.chans, p.ch0, p.k_off, p.k_meta[:, None], p.v_off[:, None], p.page0, p.counts, p.page_size,
+                      p.class_base, p.mean0[:, None]], 1)
+    return np.ascontiguousarray(rows.cpu().long().numpy())
+
+
+class PageSegment(NamedTuple):
+    """What the C functions read of a paged segment: its bytes, the table, the channel means, the V groups of
+    classes 2, 4, 8, tokens per page, head_dim and whether 16-bit rows are bf16."""
+
+    pages: torch.Tensor
+    table: np.ndarray
+    k_mean: torch.Tensor
+    groups: tuple[int, int, int]
+    page: int
+    head_dim: int
+    bf16: bool
+    pos_bytes: int
+
+
+def _most(seg: PageSegment) -> int:
+    """The most tokens a stream holds."""
+    return int(seg.table[:, 21:25].sum(1).max(initial=0))
+
+
+def _page_args(seg: PageSegment, S: int) -> tuple:
+    _check("page bytes", seg.pages, torch.uint8, (seg.pages.numel(),))
+    _int64("table", seg.table, (S, PAGE_FIELDS))
+    _check("channel means", seg.k_mean, torch.float16, (seg.k_mean.numel(),))
+    return (seg.pages.data_ptr(), seg.table.ctypes.data, seg.k_mean.data_ptr(), int(seg.bf16), S, seg.page,
+            seg.head_dim)
+
+
+def page_scores(out: torch.Tensor, seg: PageSegment, q: torch.Tensor, pos: torch.Tensor | None = None) -> None:
+    """``out`` [S, GL, N] float32 := ``q`` [S, GL, D] float32 (each stream's permuted channel order) dotted with every
+    kept key, in storage order (columns past a stream's count untouched); ``pos`` [S, N] int64 (if given) := the
+    tokens' positions."""
+    S, GL, N = out.shape
+    _check("out", out, torch.float32, (S, GL, N))
+    _check("q", q, torch.float32, (S, GL, seg.head_dim))
+    if pos is not None:
+        _check("positions", pos, torch.int64, (S, N))
+    if _most(seg) > N:
+        raise RDKVError(f"page_scores: out has {N} columns, a stream holds {_most(seg)} tokens")
+    if library().rdkv_page_scores(*_page_args(seg, S), q.data_ptr(), GL, N, out.data_ptr(), seg.pos_bytes, _ptr(pos),
+                                  torch.get_num_threads()):
+        raise MemoryError("rdkv_page_scores: out of memory for its per-thread buffers")
+
+
+def page_keys(out: torch.Tensor, pos: torch.Tensor, seg: PageSegment) -> None:
+    """``out`` [S, D, N] float32 := every stream's keys channel-major in its permuted channel order, ``pos`` [S, N]
+    int64 := their positions; zero past a stream's count."""
+    S, D, N = out.shape
+    _check("out", out, torch.float32, (S, seg.head_dim, N))
+    _check("positions", pos, torch.int64, (S, N))
+    if _most(seg) > N:
+        raise RDKVError(f"page_keys: out has {N} columns, a stream holds {_most(seg)} tokens")
+    if library().rdkv_page_keys(*_page_args(seg, S), N, seg.pos_bytes, out.data_ptr(), pos.data_ptr(),
+                                torch.get_num_threads()):
+        raise MemoryError("rdkv_page_keys: out of memory for its per-thread buffers")
+
+
+def page_attend(out: torch.Tensor, p: torch.Tensor, seg: PageSegment) -> None:
+    """``out`` [S, GL, D] float32 (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] float32 (columns in
+    storage order) times the segment's values."""
+    S, GL, D = out.shape
+    _check("out", out, torch.float32, (S, GL, seg.head_dim))
+    if p.dtype != torch.float32 or p.shape[:2] != (S, GL) or p.stride(2) != 1 or p.stride(0) != GL * p.stride(1) \
+            or _most(seg) > p.shape[2] or D % 2 or p.device.type != "cpu":
+        raise RDKVError(f"page_attend: p must be float32 [{S}, {GL}, >= every stream's count] with rows of unit stride, "
+                        f"got {p.dtype} {tuple(p.shape)} strides {p.stride()}; D={D} must be even")
+    buf, table, _, bf16, *_ = _page_args(seg, S)
+    if library().rdkv_page_attend(buf, table, (ctypes.c_int64 * 3)(*seg.groups), bf16, S, seg.page, D, p.data_ptr(),
+                                  GL, p.stride(1), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("rdkv_page_attend: out of memory")

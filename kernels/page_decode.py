@@ -58,7 +58,7 @@ def stream_table(p: pages.PagePlan) -> torch.Tensor:
 
 
 def build_tables(layer: TriZoneLayer, split: int) -> PageTables:
-    p = page_plan(layer)
+    p = pages.segment_plan(layer)
     S, d = len(p.counts), p.counts.device
     npg = p.page0[:, 4]
     chunks = -(-npg // split)
@@ -73,11 +73,6 @@ def build_tables(layer: TriZoneLayer, split: int) -> PageTables:
     i32 = torch.int32
     return PageTables(p, stream_table(p), p.class_base, wi_s.to(i32), wi_lo.to(i32), ab_first.to(i32),
                       chunks.to(i32), n_ab, split, bounds)
-
-
-def page_plan(layer: TriZoneLayer) -> pages.PagePlan:
-    return layout.derived(layer, "page plan", lambda: pages.plan(layer.t, layer.spec, layer.head_dim, layer.prefix_len,
-                                                                  pages.page_tokens(layer.head_dim)))
 
 
 PROGRAM_PAGES = 1.0  # a program's fixed work (q columns, table loads, its partial's store and merge) in pages
@@ -138,7 +133,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     else:
         slots = program_slots(query, cfg)
         splits = [layout.derived(seg, ("page split", slots),
-                                 lambda seg=seg: choose_pages(page_plan(seg).page0[:, 4].tolist(), slots))
+                                 lambda seg=seg: choose_pages(pages.segment_plan(seg).page0[:, 4].tolist(), slots))
                   for seg in segs]
     tabs = [tables(seg, split) for seg, split in zip(segs, splits)]
     seq = layer.get_seq_length()
@@ -163,15 +158,16 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     for j, (seg, tab, off, size) in enumerate(zip(segs, tabs, offs, sizes)):
         if not size:
             continue
-        t, rope, perm = seg.t, layout.rope_table(seg), layout.k_perm(seg)
+        rope, perm = layout.rope_table(seg), layout.k_perm(seg)
         seg_cfg = launch_config(D, block_m, query.dtype, rope is not None, launch)
-        buf = t["pages"] if t["pages"].numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
+        buf = pages.buffer(seg)
+        buf = buf if buf.numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
         pos_bytes = layout.pos_bytes(seg.prefix_len)
         qp = rows.gather(2, perm.long().unsqueeze(1).expand(S, GL, D))  # each stream's packed channel order
         _page_attn[(size, m_blocks)](
             query, *query.stride(), qp, part[off:], lse[off:],
             buf, buf.view(torch.float16), buf.view(seg.dtype16), buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
-            _nonempty(t["k_mean"], torch.float16, query.device), tab.st, tab.cbase, tab.wi_s, tab.wi_lo,
+            _nonempty(pages.k_means(seg), torch.float16, query.device), tab.st, tab.cbase, tab.wi_s, tab.wi_lo,
             kc, *kc.stride(), vc, *vc.stride(), *mask_args, perm, _nonempty(rope, torch.float32, query.device),
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,

@@ -14,6 +14,10 @@ per stored tensor, whatever the number of streams, tokens or channel blocks:
 * causality is never evaluated on a packed prefix, whose positions all precede every query; the scores of
   every segment and of zone C go through one softmax.
 
+A segment in pages (:mod:`rdkv.pages`) is read a page at a time in C (``rdkv_page_scores``, ``rdkv_page_attend``:
+each page's keys and values dequantized into a buffer the L1 cache holds, beside the products), its tokens in
+storage order; where no compiler is, from the page oracle :func:`rdkv.pages.dequantize` (correct, not fast).
+
 Where a C compiler is found, the two products over a packed segment run in C instead
 (:mod:`rdkv.kernels.cpu_dequant`): the keys and values are dequantized a tile at a time beside the products and
 never written out, so a segment costs the numpy bookkeeping, a few torch ops and two C calls. The torch ops
@@ -36,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import layout, quant, rope
+from . import layout, pages, quant, rope
 from .dense import allowed_keys
 from .kernels import cpu_dequant
 from .reference import queries
@@ -151,6 +155,8 @@ def key_scores(seg: TriZoneLayer, q: torch.Tensor, positions: bool = True) -> Sc
     product's operand as the BLAS wants it, 2.3-2.8x faster than [N, k_block] on a 2-core EPYC, docs/benchmarks.md). Pre-RoPE keys are dequantized whole, put in the model's channel order and rotated to
     their positions. Positions are read only when ``positions`` (or to rotate keys).
     """
+    if pages.paged(seg):
+        return _page_key_scores(seg, q, positions)
     D, spec, plan = seg.head_dim, seg.spec, layout.plan(seg).host
     (S, GL, _), dev = q.shape, seg.device
     kb, kg = spec.k_block, spec.k_group
@@ -191,6 +197,42 @@ def key_scores(seg: TriZoneLayer, q: torch.Tensor, positions: bool = True) -> Sc
     dense = torch.empty(S * nb, kb, N, device=dev).index_copy_(0, block, K).view(S, D, N)  # packed channel order
     dense = torch.empty_like(dense).scatter_(1, perm.long().unsqueeze(2).expand(S, D, N), dense)
     return Scores(torch.bmm(q, rope.rotate(dense.transpose(1, 2), pos, table).transpose(1, 2)), pos, kept)
+
+
+def _page_segment(seg: TriZoneLayer) -> cpu_dequant.PageSegment:
+    """What the C functions read of a paged segment (the table built once per segment)."""
+    def build() -> cpu_dequant.PageSegment:
+        D = seg.head_dim
+        return cpu_dequant.PageSegment(pages.buffer(seg), cpu_dequant.page_table(pages.segment_plan(seg)),
+                                       pages.k_means(seg), tuple(seg.spec.v_group_of(w) for w in quant.PACKED),
+                                       pages.page_tokens(D), D, seg.dtype16 == torch.bfloat16,
+                                       layout.pos_bytes(seg.prefix_len))
+    return layout.derived(seg, "cpu pages", build)
+
+
+def _page_key_scores(seg: TriZoneLayer, q: torch.Tensor, positions: bool) -> Scores:
+    """:func:`key_scores` of a paged segment, tokens in storage order: in C (:func:`rdkv.kernels.cpu_dequant.page_scores`,
+    the keys never written out; pre-RoPE keys written whole by ``page_keys`` and rotated in torch), else from the
+    torch oracle :func:`rdkv.pages.dequantize` (the path where no compiler is: correct, not fast)."""
+    (S, GL, D), dev = q.shape, seg.device
+    n = pages.segment_plan(seg).counts.sum(1)
+    N = int(n.max()) if S else 0
+    kept = torch.arange(N, device=dev) < n.unsqueeze(1)
+    table, perm = layout.rope_table(seg), layout.k_perm(seg).long()
+    if dev.type == "cpu" and cpu_dequant.library():
+        cs = _page_segment(seg)
+        pos = torch.zeros(S, N, dtype=torch.long) if positions or table is not None else None
+        if table is None:
+            s = torch.empty(S, GL, N)
+            cpu_dequant.page_scores(s, cs, q.gather(2, perm.unsqueeze(1).expand(S, GL, D)).contiguous(), pos)
+            return Scores(s, pos, kept)
+        K = torch.empty(S, D, N)
+        cpu_dequant.page_keys(K, pos, cs)
+        K = rope.rotate(torch.empty_like(K).scatter_(1, perm.unsqueeze(2).expand(S, D, N), K).transpose(1, 2), pos,
+                        table)
+    else:
+        K, _, pos, _ = pages.dequantize_segment(seg)  # pre-RoPE keys come back rotated
+    return Scores(torch.bmm(q, K.transpose(1, 2)), pos, kept)
 
 
 def _unpack_halves(out: torch.Tensor, stored: torch.Tensor, bits: int) -> None:
@@ -249,6 +291,14 @@ def add_values(out: torch.Tensor, p: torch.Tensor, seg: TriZoneLayer) -> None:
     """``out`` [S, GL, D] (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] times the values of one packed
     segment: in C (:func:`rdkv.kernels.cpu_dequant.attend`, the values never written out), else
     :func:`read_values` and one product."""
+    if pages.paged(seg):
+        if seg.device.type == "cpu" and cpu_dequant.library():
+            cpu_dequant.page_attend(out, p, _page_segment(seg))
+        else:  # the oracle's values, channels into the halves order
+            S, GL, D = out.shape
+            v = torch.bmm(p, pages.dequantize_segment(seg)[1])
+            out.view(S, GL, 2, D // 2).add_(v.view(S, GL, D // 2, 2).transpose(2, 3))
+        return
     if seg.device.type == "cpu" and cpu_dequant.library():
         cpu_dequant.attend(out, p, {w: layout.v_rows(seg, w) for w in V_CLASSES},
                            {w: seg.spec.v_group_of(w) for w in quant.PACKED}, layout.plan(seg).host.counts)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quant
+from . import quant, rope
 from .errors import RDKVError
-from .layout import (_COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, pos_bytes, pos_dtype,
-                     quantize_pack, storage_order)
+from .layout import (_COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, derived, pos_bytes, pos_dtype,
+                     quantize_pack, rope_table, storage_order)
 
 K_WIDTHS = (2, 4, 8, 16)  # the K sections of a page, in order
 
@@ -134,7 +134,7 @@ def _pos_addresses(p: PagePlan, at: _Slots, D: int, spec: PackSpec, pos_len: int
 
 def _put(buf: torch.Tensor, addr: torch.Tensor, x: torch.Tensor) -> None:
     """Write ``x`` (any dtype) little-endian at byte addresses ``addr`` (one per element)."""
-    b = x.contiguous().view(torch.uint8).view(*x.shape, x.element_size())
+    b = x.reshape(-1).contiguous().view(torch.uint8).view(*x.shape, x.element_size())
     buf[addr.unsqueeze(-1) + torch.arange(x.element_size(), device=buf.device)] = b
 
 
@@ -201,7 +201,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
 def _tensors(counts: torch.Tensor, perm: torch.Tensor, bits: torch.Tensor, k_mean: torch.Tensor,
              buf: torch.Tensor) -> dict[str, torch.Tensor]:
     return {_COUNTS: counts.to(torch.int32), _K_PERM: perm.to(torch.uint8 if perm.shape[1] <= 256 else torch.int16),
-            _K_BITS: bits.to(torch.uint8), "k_mean": k_mean, "pages": buf}
+            _K_BITS: bits.to(torch.uint8), _K_MEAN: k_mean, _PAGES: buf}
 
 
 def sized(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor, spec: PackSpec, pos_len: int,
@@ -219,12 +219,44 @@ def plan(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int
     return PagePlan.build(t[_COUNTS], t[_K_BITS], spec, head_dim, pos_len, page)
 
 
+_PAGES, _K_MEAN = "pages", "k_mean"  # the tensors a paged segment adds to the index tables of rdkv.layout
+
+
+def buffer(seg) -> torch.Tensor:
+    """A paged segment's bytes: every page, uint8."""
+    return seg.t[_PAGES]
+
+
+def k_means(seg) -> torch.Tensor:
+    """A paged segment's width-0 K channel means, fp16, stream-major in each stream's permuted order."""
+    return seg.t[_K_MEAN]
+
+
+def paged(seg) -> bool:
+    """Whether a segment (a :class:`rdkv.trizone.TriZoneLayer`) holds pages rather than the packed layout."""
+    return _PAGES in seg.t
+
+
+def segment_plan(seg) -> PagePlan:
+    """A paged segment's plan, built once and kept beside it (:func:`rdkv.layout.derived`)."""
+    return derived(seg, "page plan", lambda: plan(seg.t, seg.spec, seg.head_dim, seg.prefix_len,
+                                                  page_tokens(seg.head_dim)))
+
+
+def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dequantize` of a paged segment, keys packed before RoPE rotated to their positions (as
+    :func:`rdkv.layout.dequantize`)."""
+    K, V, pos, valid = dequantize(seg.t, seg.spec, seg.head_dim, seg.prefix_len, page_tokens(seg.head_dim), seg.dtype16)
+    table = rope_table(seg)
+    return (K if table is None else rope.rotate(K, pos, table)), V, pos, valid
+
+
 def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int,
                dtype16: torch.dtype):
     """Dense float32 K, V [S, Nmax, D] (K in the model's channel order), positions [S, Nmax] and validity: the torch
     oracle of the page layout, as :func:`rdkv.layout.dequantize` is of the packed one."""
     D, p = head_dim, plan(t, spec, head_dim, pos_len, page)
-    buf, at = t["pages"], _Slots(p)
+    buf, at = t[_PAGES], _Slots(p)
     S, dev = len(p.counts), buf.device
     nmax = int(p.counts.sum(1).max()) if S else 0
     K = torch.zeros(S, nmax, D, device=dev)
@@ -252,8 +284,9 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
     kq = code * _get(buf, safe, quant.META_DTYPE).float() + _get(buf, safe + 2 * cp, quant.META_DTYPE).float()
     k16 = _get(buf, torch.where(width == 16, code_at, 0), dtype16).float()
     mean_at = p.mean0[at.s].unsqueeze(1) + torch.arange(D, device=dev)
-    mean = t["k_mean"][torch.where(width == 0, mean_at, 0).clamp(max=max(0, len(t["k_mean"]) - 1))].float() \
-        if len(t["k_mean"]) else torch.zeros_like(kq)
+    means = t[_K_MEAN]
+    mean = means[torch.where(width == 0, mean_at, 0).clamp(max=max(0, len(means) - 1))].float() \
+        if len(means) else torch.zeros_like(kq)
     kp = torch.where(width == 0, mean, torch.where(width == 16, k16, kq))
     Kp = torch.zeros(S, nmax, D, device=dev)
     Kp[at.s, at.index] = kp

@@ -111,7 +111,7 @@ class TriZoneLayer(CacheLayerMixin):
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Zones A+B as dense float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax] (the torch
         reference; the decode paths never unpack a whole segment)."""
-        return layout.dequantize(self)
+        return pages.dequantize_segment(self) if pages.paged(self) else layout.dequantize(self)
 
 
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,

@@ -205,12 +205,13 @@ def paged_layer(B: int, T: int, budget: float):
 def page_rows(B: int, T: int, budget: float) -> list[dict]:
     """The page kernel (rdkv.kernels.page_decode) at its default launch. A page's loads have no dependence on one
     another, so a program has one page in flight; each V class runs its own page loop, weighted by its pages."""
+    from rdkv import pages
     from rdkv.kernels import page_decode as pk
 
     layer, ratio = paged_layer(B, T, budget)
     q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
     cfg = pk.launch_config(bd.D, pk.block_m_for(bd.G), torch.float16)
-    plan = pk.page_plan(layer)
+    plan = pages.segment_plan(layer)
     # the work items a launch on the GPU would cut (the launcher counts this machine's program slots as 4)
     split = pk.choose_pages(plan.page0[:, 4].tolist(), SMS * max(1, 65536 // (256 * 32 * cfg.num_warps)))
     calls = recorded(pk, ("_page_attn", "_lse_merge"),

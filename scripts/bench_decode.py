@@ -14,7 +14,9 @@ For every (context, batch, budget) it times
 * ``deq-sdpa``  dequantize the TriZone layer to fp16 (``TriZoneLayer.dequantize``) and run SDPA over it,
                 i.e. what a format without a fused kernel has to do every step;
 * ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K block
-                to its tokens' positions inside the dots, so this column is the price of that rotation.
+                to its tokens' positions inside the dots, so this column is the price of that rotation;
+* ``page``      a layer of the same generator and budget in pages (``rdkv.pages``) through the page kernel
+                (``rdkv.kernels.page_decode``, GPU only);
 
 and reports bytes the TriZone step reads (every tensor of the layer plus q: each byte is read once) per
 second, as a fraction of the GPU's peak memory bandwidth (nominal figure for known GPUs, and the
@@ -265,6 +267,7 @@ def main(argv=None) -> int:
     budgets = a.budgets or [0.025, 0.10, 0.25]
     setting = ""
     if dev.type == "cuda":
+        from rdkv.kernels.page_decode import page_decode
         from rdkv.kernels.trizone_decode import launch_config, trizone_decode
 
         cfg = launch_config(D, 16, torch.float16, override=launch)
@@ -305,6 +308,13 @@ def main(argv=None) -> int:
             tg_rope = bench(g_rope) if g_rope else bench(step)
             del g_rope
             layout.set_rope_table(layer, None)
+            tg_page = page_ratio = None
+            if dev.type == "cuda":  # the same generator and budget in pages, through the page kernel (graph time)
+                paged, page_ratio = calibrated_layer(B, T, budget, dev, paged=True)
+                g_page = graphed(lambda: page_decode(q, paged, scaling))
+                tg_page = bench(g_page) if g_page else None
+                page_read = paged.nbytes + q.numel() * q.element_size()
+                del g_page, paged
             t_deq = None
             if not a.no_deq:
                 def deq_sdpa():
@@ -322,6 +332,9 @@ def main(argv=None) -> int:
                              trizone_us=t_tz * 1e6, sdpa_full_us=t_full * 1e6, deq_sdpa_us=t_deq * 1e6 if t_deq else None,
                              trizone_graph_us=tg_tz * 1e6 if tg_tz else None,
                              rope_us=tg_rope * 1e6,
+                             page_us=tg_page * 1e6 if tg_page else None, page_bytes_ratio=page_ratio,
+                             page_GBps=page_read / tg_page / 1e9 if tg_page else None,
+                             page_speedup_vs_best_full=t_best_full / tg_page if tg_page else None,
                              sdpa_full_graph_us=tg_full * 1e6 if tg_full else None,
                              flash_full_us=t_anchor * 1e6 if t_anchor else None, flash_setting=anchor_setting,
                              flash_full_bw_GBps=full_bytes / t_anchor / 1e9 if t_anchor else None,
@@ -338,6 +351,7 @@ def main(argv=None) -> int:
                   + (f"  flash-full {r['flash_full_us']:.1f} us" if t_anchor else "")
                   + f"  x{r['speedup_vs_best_full']:.2f} vs best full"
                   + f"  pre-RoPE {r['rope_us']:.1f} us"
+                  + (f"  page {r['page_us']:.1f} us x{r['page_speedup_vs_best_full']:.2f}" if tg_page else "")
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
             layer = None
             if dev.type == "cuda":
@@ -352,11 +366,13 @@ def main(argv=None) -> int:
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
              "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph). flash-full = the split-K "
              "anchor over the full cache (graph time, fastest setting of ANCHOR_SETTINGS; its GB/s = full-cache bytes / "
-             "time); x best = best full-cache time (SDPA graph or flash-full) / TriZone graph time.",
+             "time); x best = best full-cache time (SDPA graph or flash-full) / TriZone graph time. page = the same "
+             "allocation in pages (rdkv.pages) through the page kernel (rdkv.kernels.page_decode), graph time; its "
+             "GB/s = its layer's bytes / time.",
              "", "| context | batch | budget | bytes/fp16 | kept | TriZone us | SDPA full us | x vs full | TriZone graph us | "
              "SDPA graph us | x graph | flash-full us | flash-full GB/s | x best | pre-RoPE us | deq+SDPA us | x vs deq | "
-             "GB/s read | of peak | of copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GB/s read | of peak | of copy | page us | page GB/s | page of peak | page x best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = lambda x, fmt: (fmt.format(x) if x is not None else "-")  # noqa: E731
         lines.append(f"| {r['context']} | {r['batch']} | {r['budget']:.3f} | {r['bytes_ratio']:.3f} | {r['kept']:.3f} | "
@@ -366,7 +382,10 @@ def main(argv=None) -> int:
                      f"{f(r['flash_full_bw_GBps'], '{:.0f}')} | {r['speedup_vs_best_full']:.2f} | {r['rope_us']:.1f} | "
                      f"{f(r['deq_sdpa_us'], '{:.1f}')} | "
                      f"{f(r['speedup_vs_deq'], '{:.2f}')} | {r['bw_GBps']:.0f} | "
-                     f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")
+                     f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} | {f(r['page_us'], '{:.1f}')} | "
+                     f"{f(r['page_GBps'], '{:.0f}')} | "
+                     f"{f(r['page_GBps'] and nominal and r['page_GBps'] * 1e9 / nominal, '{:.0%}')} | "
+                     f"{f(r['page_speedup_vs_best_full'], '{:.2f}')} |")
     text = "\n".join(lines) + "\n"
     print(text)
     save_outputs(a.out, "bench_decode", text, dict(device=name, nominal_bw=nominal, copy_bw=copy_bw, rows=rows))

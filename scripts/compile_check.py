@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Compile every variant of the Triton kernels (TriZone decode, its merge, the full-cache anchor; compress side: quantize + pack, token
-weights) for sm_90 and sm_80 without a GPU.
+"""Compile every variant of the Triton kernels (TriZone decode over packed segments and over pages, its merge, the
+full-cache anchor; compress side: quantize + pack, token weights) for sm_90 and sm_80 without a GPU.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline down to
 a cubin (decode kernels are compiled as launched: the launcher runs on a small CPU layer with the kernels
@@ -43,6 +43,7 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, rope=True))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
+        out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="page"))
         return out
     for D, dtype in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32")):  # the full-cache anchor
         out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
@@ -56,6 +57,8 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=D, dtype="fp16", GL=24, L=3, flags=(False, False, False), kb=16, vg=(64, 32, 16)))  # per width
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, rope=True))  # pre-RoPE keys
+    # the page kernel (rdkv.kernels.page_decode) over the same layers in pages
+    out += [dict(v, kernel="page") for v in out if "kernel" not in v]
     return out
 
 
@@ -100,10 +103,11 @@ def compile_as_launched(fn, args, kwargs, arch: int):
 
 
 def decode_call(v: dict):
-    """A TriZone decode call of variant ``v`` on CPU tensors (a small random layer with every V and K width)."""
+    """A TriZone decode call of variant ``v`` on CPU tensors (a small random layer with every V and K width; in pages
+    for the page kernel)."""
     import torch
 
-    from rdkv.kernels import trizone_decode as m
+    from rdkv.kernels import page_decode, trizone_decode
     from rdkv import layout
     from rdkv.layout import PackSpec
     from rdkv.trizone import pack_layer
@@ -119,14 +123,16 @@ def decode_call(v: dict):
     kb = widths[torch.randint(0, 5, (B, H, D // v["kb"]), generator=g)].sort(-1).values
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
     k, val = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    page = v.get("kernel") == "page"
     layer = pack_layer(k, val, 0, vw, kb, perm, spec, torch.bfloat16 if v["dtype"] == "bf16" else torch.float16,
-                       64 if window else None, T)
+                       64 if window else None, T, paged=page)
     layer.update(torch.randn(B, H, L + 2, D, generator=g), torch.randn(B, H, L + 2, D, generator=g))
     if v.get("rope"):
         layout.set_rope_table(layer, torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)]))
     q = torch.randn(B, H * (GL // L), L, D, generator=g).to(dtype)
     bool_mask = torch.ones(B, 1, L, layer.get_seq_length(), dtype=torch.bool) if mask else None
-    return lambda: m.trizone_decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)
+    decode = page_decode.page_decode if page else trizone_decode.trizone_decode
+    return lambda: decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)
 
 
 def resource_usage(kernel, arch: int) -> dict:
@@ -179,18 +185,23 @@ def flash_call(v: dict):
 def compile_one(v: dict, arch: int) -> dict:
     """Compile the attention, merge or anchor kernel of a decode variant exactly as its launch would."""
     from rdkv.kernels import flash_decode as fd
+    from rdkv.kernels import page_decode as pd
     from rdkv.kernels import trizone_decode as m
 
     if v.get("kernel") == "flash":
         m, name = fd, "_flash_decode"
         calls = recorded(fd, (name, "_lse_merge"), flash_call(v))
+    elif v.get("kernel") == "page":
+        m, name = pd, "_page_attn"
+        calls = recorded(pd, (name, "_lse_merge"), decode_call(v))
     else:
         name = "_lse_merge" if v.get("kernel") == "merge" else "_trizone_attn"
         calls = recorded(m, ("_trizone_attn", "_lse_merge"), decode_call(v))
     grid, args, kwargs = calls[name][0]
     t0 = time.time()
     k = compile_as_launched(getattr(m, name), args, kwargs, arch)
-    return dict(v, arch=arch, block_m=kwargs["BLOCK_M"], block_n=kwargs.get("BLOCK_N", 0), warps=kwargs["num_warps"],
+    return dict(v, arch=arch, block_m=kwargs["BLOCK_M"], block_n=kwargs.get("BLOCK_N", kwargs.get("P", 0)),
+                warps=kwargs["num_warps"],
                 smem=k.metadata.shared, secs=time.time() - t0, **resource_usage(k, arch))
 
 
@@ -319,7 +330,7 @@ def main(argv=None) -> int:
     else:
         rows = [_job(j) for j in jobs]
     bad = 0
-    head = f"{'kernel':>5} {'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
+    head = f"{'kernel':>9} {'arch':>5} {'D':>4} {'dtype':>5} {'G*L':>4} {'L':>2} {'kb':>3} {'flags':>5} {'BM':>3} {'BN':>3} {'warps':>5} " \
            f"{'regs':>4} {'spill':>7} {'stack':>5} {'smem KB':>7} {'secs':>5}  status"
     decode_rows = [r for r in rows if r.get("kernel") not in COMPRESS_KERNELS]
     compress_rows = [r for r in rows if r.get("kernel") in COMPRESS_KERNELS]
@@ -327,8 +338,8 @@ def main(argv=None) -> int:
         print(head)
     for r in decode_rows:
         flags = "".join(c if f else "-" for c, f in zip("wms", r["flags"]))
-        name = r.get("kernel") or ("rope" if r.get("rope") else "attn")
-        lead = f"{name:>5} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
+        name = (r.get("kernel") or "attn") + ("+rope" if r.get("rope") else "")
+        lead = f"{name:>9} sm_{r['arch']:<2} {r['D']:>4} {r['dtype']:>5} {r['GL']:>4} {r['L']:>2} {r['kb']:>3} {flags:>5}"
         bad += report_line(lead, r, lambda: f"{r['block_m']:>3} {r['block_n']:>3} {r['warps']:>5}")
     if compress_rows:
         if decode_rows:

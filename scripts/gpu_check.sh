@@ -4,8 +4,8 @@
 #   1. environment facts (nvidia-smi, torch/triton versions, the commit);
 #   2. tests: the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: the interpreter's cases plus bf16
 #      queries), TriZone decode, the full-cache flash-decoding anchor and the compress side;
-#   3. bench: the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%) with the anchor at
-#      its fastest setting beside SDPA, every ratio against the faster of the two;
+#   3. bench: the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%): the packed kernel and the
+#      page kernel, with the anchor at its fastest setting beside SDPA, every ratio against the faster of the two;
 #   4. generate: end-to-end ms per token of a Llama-3.1-8B-shaped model (random bf16 weights) at 32k/128k,
 #      batch 1/8, full cache vs rdkv at 10%/25% (scripts/bench_generate.py);
 #   5. compress: the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py);
@@ -71,7 +71,7 @@ if stage tests; then
     XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
     # shellcheck disable=SC2086
     RDKV_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-180}" "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_kernel_decode.py \
-        tests/test_kernel_flash_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
+        tests/test_page_decode.py tests/test_kernel_flash_decode.py tests/test_kernel_compress.py 2>&1 | tee "$OUT/tests.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     echo "tests took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tests.txt"
 fi

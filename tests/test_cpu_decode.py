@@ -108,6 +108,41 @@ def test_folds_and_other_pack_specs(dequant):
         check(layer, query(layer, 2, 3, torch.float16))
 
 
+@pytest.mark.parametrize("case", range(len(GRID)))
+def test_pages_match_the_oracle_over_the_grid(case, dequant):
+    """The kernel grid's layers in pages (rdkv.pages): the C page functions, or the page oracle's dequantization."""
+    B, H, T, D, n_c, G, L, _, vmix, kmix = GRID[case]
+    layer = build(seed=T + D + n_c, B=B, H=H, T=T, D=D, n_c=n_c, vmix=vmix, kmix=kmix, paged=True)
+    for dtype in (torch.float32, torch.float16):
+        check(layer, query(layer, G, L, dtype))
+
+
+def test_pages_with_pre_rope_keys_windows_masks_folds_and_specs(dequant):
+    seed, T, D, start, G, L, dtype, vmix, kmix = ROPE_GRID[1]
+    layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix, paged=True)
+    q = query(layer, G, L, dtype)
+    plain = cpu_decode.trizone_attention(q, layer, D ** -0.5)
+    layout.set_rope_table(layer, rope_table(D))
+    assert (check(layer, q).float() - plain.float()).abs().max() > 0.05  # the rotation happened
+    layer = build(seed=3, B=2, H=1, T=400, D=64, n_c=20, start=1000, window=150, paged=True)
+    check(layer, query(layer, 3, 3, torch.float32))
+    layer = build(seed=5, B=2, H=2, T=250, D=64, n_c=6, paged=True)
+    mask = torch.rand(2, 1, 3, layer.get_seq_length(), generator=torch.Generator().manual_seed(0)) > 0.3
+    check(layer, query(layer, 4, 3, torch.float32), mask=mask, softcap=5.0)
+    layer = build(seed=13, B=2, H=2, T=300, D=64, n_c=0, paged=True)
+    layout.set_rope_table(layer, rope_table(64))  # a pre-RoPE prefix beside post-RoPE folds
+    layer.folds = [build(seed=14, B=2, H=2, T=150, D=64, n_c=0, start=300, paged=True),
+                   build(seed=15, B=2, H=2, T=90, D=64, n_c=0, start=450, empty_streams=1, paged=True)]
+    layer.c_start = 540
+    layer.update(*(torch.randn(2, 2, 7, 64, generator=torch.Generator().manual_seed(2)) for _ in range(2)))
+    check(layer, query(layer, 3, 2, torch.float32), window=200)
+    layer = build(seed=8, B=2, H=1, T=300, D=128, n_c=3, dtype16=torch.bfloat16, paged=True)
+    check(layer, query(layer, 4, 1, torch.float32))
+    for spec in (PackSpec(v_group=128, k_group=7, k_block=32), PackSpec(v_group=(64, 32, 16), k_group=64, k_block=16)):
+        layer = build(seed=9, B=1, H=2, T=300, D=128, n_c=3, spec=spec, paged=True)
+        check(layer, query(layer, 2, 3, torch.float16))
+
+
 def test_nothing_is_kept_between_steps():
     layer = build(seed=11, B=2, H=2, T=100, D=64, n_c=2)
     before = layer.nbytes, set(layer.t), layer.__dict__.keys() - {"t"}

@@ -56,8 +56,8 @@ def on_device(layer):
 
 
 def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), spec=None,
-          dtype16=torch.float16, start=0, sort_k=True, window=None, empty_streams=0):
-    """A packed layer from random K/V with a different random allocation per stream.
+          dtype16=torch.float16, start=0, sort_k=True, window=None, empty_streams=0, paged=False):
+    """A packed layer (in pages if ``paged``) from random K/V with a different random allocation per stream.
 
     Each stream draws its own mixture over the allowed V widths ``vmix`` (so class sizes differ a lot
     between streams, including empty classes), its own K block widths from ``kmix``, and its own
@@ -81,7 +81,7 @@ def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 
     if sort_k:
         kb = kb.sort(-1).values
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)]).view(B, H, D)
-    layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T)
+    layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T, paged=paged)
     if n_c:
         layer.update(torch.randn(B, H, n_c, D, generator=g), torch.randn(B, H, n_c, D, generator=g))
     return on_device(layer)

@@ -2,17 +2,21 @@
 
 The oracle reads the pages back in torch (``pages.dequantize``); the kernel must match attention over it within
 the fp16 tolerances of tests/test_kernel_decode.py (same rounding steps: q * scale instead of the dequantized K,
-each rounded once to fp16)."""
+each rounded once to fp16). RDKV_TEST_DEVICE=cuda runs them compiled on a GPU (scripts/gpu_check.sh)."""
 import importlib
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
 
-from rdkv import layout, pages, rope
+DEVICE = os.environ.get("RDKV_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates the kernels
+elif not torch.cuda.is_available():
+    pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
+
+from rdkv import layout, pages
 from rdkv.dense import allowed_keys
 from rdkv.layout import PackSpec
 from rdkv.reference import merge, partial_attention, queries
@@ -40,24 +44,22 @@ def build(seed, B, H, T, D, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), n_c=5,
     t = pages.pack(k, v, start, vw, kb, perm, spec, torch.float16)
     t["kc"] = torch.randn(B, H, n_c, D, generator=g).half()
     t["vc"] = torch.randn(B, H, n_c, D, generator=g).half()
+    t = {name: x.to(DEVICE) for name, x in t.items()}
     layer = TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=start + T, spec=spec,
                          sliding_window=None, dtype16=torch.float16)
     return layer, k, v, vw, kb, perm
 
 
 def reference(q, layer, scaling, window=None):
-    """Attention over every segment's dequantized pages (pre-RoPE keys rotated to their positions) and zone C."""
+    """Attention over every segment's dequantized pages and zone C."""
     qq, q_pos, window, _ = queries(q, layer, window, None)
     S, _, D = qq.shape
     parts = []
     for seg in layer.segments():
-        K, V, pos, valid = pages.dequantize(seg.t, seg.spec, D, seg.prefix_len, pages.page_tokens(D), torch.float16)
-        table = layout.rope_table(seg)
-        if table is not None:
-            K = rope.rotate(K, pos, table)
+        K, V, pos, valid = pages.dequantize_segment(seg)  # pre-RoPE keys rotated to their positions
         parts.append(partial_attention(qq, K, V, allowed_keys(q_pos, pos, window) & valid.unsqueeze(1), scaling, None))
     kc, vc = (x.float().reshape(S, -1, D) for x in layout.zone_c(layer))
-    c_pos = torch.arange(layer.c_start, layer.get_seq_length())
+    c_pos = torch.arange(layer.c_start, layer.get_seq_length(), device=qq.device)
     parts.append(partial_attention(qq, kc, vc, allowed_keys(q_pos, c_pos, window).expand(S, -1, -1), scaling, None))
     return merge(parts).reshape(q.shape).to(q.dtype)
 
@@ -65,7 +67,7 @@ def reference(q, layer, scaling, window=None):
 def test_pages_round_trip():
     """Every kept token comes back at its position, V/K within half a quantization step of their width."""
     layer, k, v, vw, kb, perm = build(0, 1, 3, 300, 64)
-    K, V, pos, valid = pages.dequantize(layer.t, layer.spec, 64, layer.prefix_len, 64, torch.float16)
+    K, V, pos, valid = (x.cpu() for x in pages.dequantize(layer.t, layer.spec, 64, layer.prefix_len, 64, torch.float16))
     s, i = valid.nonzero(as_tuple=True)
     p = pos[s, i] - layer.start
     assert int(valid.sum()) == int((vw > 0).sum()) and bool((vw[s, p] > 0).all())
@@ -73,7 +75,7 @@ def test_pages_round_trip():
     for w, bound in ((16, 2e-3), (8, 0.02)):  # 8 bits over a ~7-wide group: step 0.03
         assert float(err[vw[s, p] == w].max()) < bound
     assert pages.PagePlan.build(layout.counts(layer), layout.k_bits(layer), layer.spec, 64, layer.prefix_len, 64).total \
-        == layer.t["pages"].numel()
+        == pages.buffer(layer).numel()
 
 
 @pytest.mark.parametrize("B,H,T,D,G,L,dtype,vmix,kmix", [
@@ -85,14 +87,14 @@ def test_pages_round_trip():
 ])
 def test_page_kernel_matches_oracle(B, H, T, D, G, L, dtype, vmix, kmix):
     layer = build(T + D, B, H, T, D, vmix, kmix)[0]
-    q = torch.randn(B, H * G, L, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = torch.randn(B, H * G, L, D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     got = page_decode(q, layer, D ** -0.5)
     torch.testing.assert_close(got.float(), reference(q, layer, D ** -0.5).float(), **TOL[dtype])
 
 
 def rope_table(D: int) -> torch.Tensor:
     """D/2 inverse frequencies, then an attention scaling that is not 1 (rdkv.rope's table)."""
-    return torch.cat([10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float32) / D), torch.tensor([1.25])])
+    return torch.cat([10000.0 ** -(torch.arange(0, D, 2, dtype=torch.float32) / D), torch.tensor([1.25])]).to(DEVICE)
 
 
 @pytest.mark.parametrize("D,start,dtype,kmix", [(64, 0, torch.float32, (0, 2, 4, 8, 16)),
@@ -102,7 +104,7 @@ def test_pre_rope_keys_are_rotated_to_each_page(D, start, dtype, kmix):
     """Keys packed before RoPE: the kernel rotates every width's channels (means included) to each page's
     positions; without the table the output differs, so the rotation is what the oracle checks."""
     layer = build(D, 2, 2, 300, D, kmix=kmix, start=start)[0]
-    q = torch.randn(2, 6, 2, D, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = torch.randn(2, 6, 2, D, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     plain = page_decode(q, layer, D ** -0.5)
     layout.set_rope_table(layer, rope_table(D))
     got = page_decode(q, layer, D ** -0.5)
@@ -121,9 +123,9 @@ def test_folds_merge_with_the_prefix_and_zone_c(split):
     layer.folds = [build(14, 2, 2, 150, 64, n_c=0, start=300)[0], build(15, 2, 2, 90, 64, vmix=(0,), n_c=0, start=450)[0]]
     layer.c_start = 540
     g = torch.Generator().manual_seed(2)
-    layer.update(*(torch.randn(2, 2, 7, 64, generator=g) for _ in range(2)))
+    layer.update(*(torch.randn(2, 2, 7, 64, generator=g).to(DEVICE) for _ in range(2)))
     for dtype, window in ((torch.float16, None), (torch.float32, 200)):
-        q = torch.randn(2, 6, 2, 64, generator=g).to(dtype)
+        q = torch.randn(2, 6, 2, 64, generator=g).to(DEVICE, dtype)
         got = page_decode(q, layer, 0.125, sliding_window=window, launch=LaunchConfig(split=split))
         torch.testing.assert_close(got.float(), reference(q, layer, 0.125, window).float(), **TOL[dtype])
 
