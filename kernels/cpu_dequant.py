@@ -290,13 +290,12 @@ def scores(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, r
 
 
 # --- the page layout (rdkv.pages) -------------------------------------------------------------------------------
-PAGE_FIELDS = 34  # int64 fields of a stream's row of the page table (cpu_dequant.c, T_*)
+PAGE_FIELDS, COUNT_FIELD = 34, 21  # int64 fields of a stream's row of the page table; its class counts (cpu_dequant.c)
 
 
-def page_table(plan: PagePlan) -> np.ndarray:
+def page_table(p: PagePlan) -> np.ndarray:
     """[S, PAGE_FIELDS] int64: a stream's channels, first channel per K width 0-16, K section offsets, K scale offset,
     V offset, class boundaries along its pages, tokens, page sizes and first-page offsets per class, first mean."""
-    p = plan
     rows = torch.cat([p.chans, p.ch0, p.k_off, p.k_meta[:, None], p.v_off[:, None], p.page0, p.counts, p.page_size,
                       p.class_base, p.mean0[:, None]], 1)
     return np.ascontiguousarray(rows.cpu().long().numpy())
@@ -318,7 +317,7 @@ class PageSegment(NamedTuple):
 
 def _most(seg: PageSegment) -> int:
     """The most tokens a stream holds."""
-    return int(seg.table[:, 21:25].sum(1).max(initial=0))
+    return int(seg.table[:, COUNT_FIELD:COUNT_FIELD + 4].sum(1).max(initial=0))
 
 
 def _page_args(seg: PageSegment, S: int) -> tuple:

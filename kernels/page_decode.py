@@ -98,13 +98,17 @@ def choose_pages(npg: list[int], slots: int) -> int:
     return min(cands, key=lambda s: makespan(npg, s, slots))
 
 
+def programs_per_sm(cfg: LaunchConfig) -> int:
+    """Register-bound: the kernel takes ~240 of the 255 registers a thread may have, so 65536 / (256 x 32 x warps),
+    at least 1."""
+    return max(1, 65536 // (256 * 32 * cfg.num_warps))
+
+
 def program_slots(query: torch.Tensor, cfg: LaunchConfig) -> int:
-    """Programs the device runs at once: SMs x programs per SM (register-bound: the kernel takes ~240 of the
-    255 registers a thread may have, so 65536 / (256 x 32 x warps), at least 1). Off the GPU: 4."""
+    """Programs the device runs at once: SMs x :func:`programs_per_sm`. Off the GPU: 4."""
     if not query.is_cuda:
         return 4
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    return sms * max(1, 65536 // (256 * 32 * cfg.num_warps))
+    return torch.cuda.get_device_properties(query.device).multi_processor_count * programs_per_sm(cfg)
 
 
 def tables(layer: TriZoneLayer, split: int) -> PageTables:

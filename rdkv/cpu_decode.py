@@ -223,7 +223,7 @@ def _page_key_scores(seg: TriZoneLayer, q: torch.Tensor, positions: bool) -> Sco
         cs = _page_segment(seg)
         pos = torch.zeros(S, N, dtype=torch.long) if positions or table is not None else None
         if table is None:
-            s = torch.empty(S, GL, N)
+            s = torch.zeros(S, GL, N)
             cpu_dequant.page_scores(s, cs, q.gather(2, perm.unsqueeze(1).expand(S, GL, D)).contiguous(), pos)
             return Scores(s, pos, kept)
         K = torch.empty(S, D, N)

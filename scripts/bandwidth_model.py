@@ -202,7 +202,7 @@ def paged_layer(B: int, T: int, budget: float):
     return layer, ratio
 
 
-def page_rows(B: int, T: int, budget: float) -> list[dict]:
+def page_row(B: int, T: int, budget: float) -> dict:
     """The page kernel (rdkv.kernels.page_decode) at its default launch. A page's loads have no dependence on one
     another, so a program has one page in flight; each V class runs its own page loop, weighted by its pages."""
     from rdkv import pages
@@ -213,7 +213,7 @@ def page_rows(B: int, T: int, budget: float) -> list[dict]:
     cfg = pk.launch_config(bd.D, pk.block_m_for(bd.G), torch.float16)
     plan = pages.segment_plan(layer)
     # the work items a launch on the GPU would cut (the launcher counts this machine's program slots as 4)
-    split = pk.choose_pages(plan.page0[:, 4].tolist(), SMS * max(1, 65536 // (256 * 32 * cfg.num_warps)))
+    split = pk.choose_pages(plan.page0[:, 4].tolist(), SMS * pk.programs_per_sm(cfg))
     calls = recorded(pk, ("_page_attn", "_lse_merge"),
                      lambda: pk.page_decode(q, layer, bd.D ** -0.5, launch=pk.LaunchConfig(split=split * plan.page)))
     grid, args, kwargs = calls["_page_attn"][0]
@@ -237,7 +237,7 @@ def page_rows(B: int, T: int, budget: float) -> list[dict]:
     fill = sum(npg) / (slots * pk.makespan(npg, split, slots))
     row.update(batch=B, budget=budget, ratio=ratio, fill=fill, gbps=row["gbps"] * fill,
                detail=row["detail"] + f"; {grid[0]} programs of {split} pages on {slots} slots: {fill:.0%} busy")
-    return [row]
+    return row
 
 
 def anchor_rows(B: int, T: int) -> list[dict]:
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     T = a.page_context
-    paged = [r for B in (1, 8) for budget in (0.10, 0.25) for r in page_rows(B, T, budget)]
+    paged = [page_row(B, T, budget) for B in (1, 8) for budget in (0.10, 0.25)]
     anchors = anchor_rows(8, T)
     rows = trizone_rows(a.batch, a.context, a.budget) + paged + anchors
     lines = [f"# Bandwidth model (sm_90, {SMS} SMs, loaded latency {LATENCY_NS:.0f} ns assumed, ceiling = measured "
