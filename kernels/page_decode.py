@@ -21,7 +21,7 @@ from rdkv.kernels.device import page_decode as dev
 from rdkv.kernels.device.page_decode import _page_attn
 from rdkv.kernels.device.trizone_decode import LOG2E
 from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
-from rdkv.kernels.trizone_decode import _DOT, LaunchConfig, _nonempty, _pow2, block_m_for, check, launch_config
+from rdkv.kernels.trizone_decode import _DOT, LaunchConfig, _nonempty, block_m_for, check, launch_config
 from rdkv.trizone import TriZoneLayer
 
 
@@ -39,7 +39,7 @@ class PageTables:
     ab_cnt: torch.Tensor  # [S] int32
     n_ab: int
     split: int  # pages per work item
-    bounds: dict  # C0, C2, C4, C8, C16 (channels, powers of two), K2..K16 (a width present)
+    bounds: dict  # KQ (a packed K channel present), K16 (a 16-bit one)
 
 
 def stream_table(p: pages.PagePlan) -> torch.Tensor:
@@ -67,9 +67,7 @@ def build_tables(layer: TriZoneLayer, split: int) -> PageTables:
     ab_first = torch.cumsum(chunks, 0) - chunks
     wi_lo = (torch.arange(n_ab, device=d) - ab_first[wi_s]) * split
     top = p.chans.amax(0).tolist() if S else [0] * 5
-    bounds = dict(C0=_pow2(top[0]) if top[0] else 0,
-                  **{f"C{w}": max(16, _pow2(x)) for w, x in zip((2, 4, 8, 16), top[1:])},
-                  **{f"K{w}": bool(x) for w, x in zip((2, 4, 8, 16), top[1:])})
+    bounds = dict(KQ=any(top[1:4]), K16=bool(top[4]))
     i32 = torch.int32
     return PageTables(p, stream_table(p), p.class_base, wi_s.to(i32), wi_lo.to(i32), ab_first.to(i32),
                       chunks.to(i32), n_ab, split, bounds)
@@ -96,6 +94,18 @@ def choose_pages(npg: list[int], slots: int) -> int:
     cands = sorted({max(1, math.ceil(total / (k * slots) * (1 + j / 16))) for k in range(1, 9) for j in range(5)},
                    reverse=True)
     return min(cands, key=lambda s: makespan(npg, s, slots))
+
+
+def k_chunk(head_dim: int, dtype: torch.dtype, rope: bool) -> int:
+    """K channels per dot: the whole head where its tile and q stay in registers, else chunks whose tables and q
+    columns are read again each step (scripts/compile_check.py holds every variant to no spills)."""
+    if rope:  # rotated in fp32
+        return 16
+    if dtype == torch.float32 and head_dim > 128:  # an fp32 dot holds a row of each operand per thread
+        return 16
+    if dtype == torch.bfloat16 and head_dim == 64:  # no exact fp16 image of the codes: they dequantize in fp32
+        return 32
+    return head_dim
 
 
 def programs_per_sm(cfg: LaunchConfig) -> int:
@@ -126,11 +136,10 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     G, S = Hq // H, B * H
     GL = G * L
     P = pages.page_tokens(D)
-    block_m = block_m_for(GL, query.dtype)
+    block_m = 16 if D > 128 else block_m_for(GL, query.dtype)  # 32 rows of head_dim 256 spill
     m_blocks = -(-GL // block_m)
     cfg = launch_config(D, block_m, query.dtype, override=launch)
-    if launch is not None and launch.block_n not in (None, P):
-        raise RDKVError(f"the page kernel's tile is one page of {P} tokens, got block_n={launch.block_n}")
+    tile = min(P, cfg.block_n)  # tokens per step: a page, or a part of one (fp32: 16)
     segs = layer.segments()
     if cfg.split:
         splits = [-(-cfg.split // P)] * len(segs)
@@ -170,14 +179,15 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
         qp = rows.gather(2, perm.long().unsqueeze(1).expand(S, GL, D))  # each stream's packed channel order
         _page_attn[(size, m_blocks)](
             query, *query.stride(), qp, part[off:], lse[off:],
-            buf, buf.view(torch.float16), buf.view(seg.dtype16), buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
+            buf, buf.view(torch.int32), buf.view(torch.float16), buf.view(seg.dtype16),
+            buf.view(torch.int16 if pos_bytes == 2 else torch.int32),
             _nonempty(pages.k_means(seg), torch.float16, query.device), tab.st, tab.cbase, tab.wi_s, tab.wi_lo,
             kc, *kc.stride(), vc, *vc.stride(), *mask_args, perm, _nonempty(rope, torch.float32, query.device),
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
             H, G, L, tab.split, split_c,
-            D=D, P=P, **tab.bounds, VG2=seg.spec.v_group_of(2), VG4=seg.spec.v_group_of(4),
-            VG8=seg.spec.v_group_of(8), POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
+            D=D, P=P, PT=tile, KC=k_chunk(D, query.dtype, rope is not None), **tab.bounds,
+            VG2=seg.spec.v_group_of(2), VG4=seg.spec.v_group_of(4), VG8=seg.spec.v_group_of(8), POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None, HAS_MASK=mask is not None, SOFTCAP=softcap is not None,
             ROPE=rope is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -43,7 +43,8 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, rope=True))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
-        out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="page"))
+        for D, dtype in ((64, "bf16"), (128, "fp16"), (256, "fp32")):
+            out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="page"))
         return out
     for D, dtype in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32")):  # the full-cache anchor
         out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
@@ -200,7 +201,7 @@ def compile_one(v: dict, arch: int) -> dict:
     grid, args, kwargs = calls[name][0]
     t0 = time.time()
     k = compile_as_launched(getattr(m, name), args, kwargs, arch)
-    return dict(v, arch=arch, block_m=kwargs["BLOCK_M"], block_n=kwargs.get("BLOCK_N", kwargs.get("P", 0)),
+    return dict(v, arch=arch, block_m=kwargs["BLOCK_M"], block_n=kwargs.get("BLOCK_N", kwargs.get("PT", 0)),
                 warps=kwargs["num_warps"],
                 smem=k.metadata.shared, secs=time.time() - t0, **resource_usage(k, arch))
 

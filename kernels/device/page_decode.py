@@ -3,17 +3,18 @@
 
 A zone A+B program walks a run of one stream's pages, class by class (V widths 2, 4, 8, 16: four compile-time
 copies of the page loop). Every address of a page follows from its base and the stream's section offsets, loaded
-once per program, so a page's loads (the K code rows of each width, the K scales and zeros, the 16-bit K rows, the
-V codes and their scales, the positions) have no dependence on one another. K is quantized per channel per page,
-so its scales fold into q: ``q . (code * s + z) = (q * s) . code + q . z``, one [BLOCK_M, C] product and one dot
-per width per page, the codes converted to fp16 by their exact image ``(0x6400 | code) - 1024``.
+once per program, so a page's loads (the K code rows, the K scales and zeros, the 16-bit K rows, the V codes and
+their scales, the positions) have no dependence on one another. K is one [D, tokens] tile whatever the stream's
+width mix (:func:`_k_tile`: each permuted channel a row that knows where its bits are), dequantized in fp16 from
+the codes' exact image ``(0x6400 | code) - 1024`` and dotted with q once: the registers are bounded by the head
+size, not by the channels of each width.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .trizone_decode import _add, _dequant, _online_step, _rope_dot, _store_partial, _visible, _zone_c
+from .trizone_decode import _dequant, _online_step, _rope_dot, _store_partial, _visible, _zone_c
 
 # fields of a stream's row in the int32 table the launcher builds (rdkv.kernels.page_decode.stream_table)
 F_CHANS = tl.constexpr(0)  # channels of K width 2, 4, 8, 16 (4 fields)
@@ -30,80 +31,61 @@ FIELDS = tl.constexpr(32)
 
 
 @triton.jit
-def _q_cols(qp_rows, row_ok, c0, n, CW: tl.constexpr):
-    """q rows [BLOCK_M, CW] at the ``n`` permuted channels from ``c0`` (zero past ``n``)."""
-    j = tl.arange(0, CW)
-    return tl.load(qp_rows[:, None] + (c0 + j)[None, :], mask=row_ok[:, None] & (j < n)[None, :], other=0.0)
+def _bytes(word):
+    """int32 words [R, N] -> their bytes [R, 4 N] (byte j of word u at 4 u + j), as int32."""
+    R: tl.constexpr = word.shape[0]
+    N: tl.constexpr = word.shape[1]
+    lo = tl.join(word & 0xFF, (word >> 16) & 0xFF)
+    hi = tl.join((word >> 8) & 0xFF, (word >> 24) & 0xFF)
+    return tl.reshape(tl.join(lo, hi), [R, 4 * N])
 
 
 @triton.jit
-def _k_codes(pg8, base, off, n, W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr):
-    """The codes [CW, P] of a page's ``n`` channels of width ``W`` (zero past ``n``).
+def _k_tile(pg32, pgh, pg16, base, t0, kro, ksh, kmask, kmi, zoff, meta, packed, wide, mean,
+            PT: tl.constexpr, KQ: tl.constexpr, K16: tl.constexpr, OUT: tl.constexpr):
+    """The page's keys [KC, PT] at tokens ``t0`` + [0, PT), at the stream's permuted channels the row tables
+    describe (:func:`_row_tables`), as ``OUT``.
 
-    Byte row r of the section holds channels r * 8/W + k (bits k * W) of the page's P tokens, so a row is P
-    consecutive bytes and unpacks to [CW, P] without crossing threads."""
-    PER: tl.constexpr = 8 // W
-    RB: tl.constexpr = CW // PER
-    r = tl.arange(0, RB)
-    t = tl.arange(0, P)
-    byte = tl.load(pg8 + base + off + (r[:, None] * P + t[None, :]), mask=(r < n // PER)[:, None], other=0)
-    sh = tl.arange(0, PER) * W
-    return tl.reshape((byte.to(tl.int32)[:, None, :] >> sh[None, :, None]) & ((1 << W) - 1), [CW, P])
-
-
-@triton.jit
-def _k_meta(pgh, meta, zoff, n, CW: tl.constexpr):
-    """The fp32 scales and zeros [CW] of ``n`` packed channels: ``meta``/``zoff`` are where the scales sit in fp16
-    elements of the page buffer and how far the zeros are behind them."""
-    j = tl.arange(0, CW)
-    sc = tl.load(pgh + meta + j, mask=j < n, other=0.0).to(tl.float32)
-    return sc, tl.load(pgh + meta + zoff + j, mask=j < n, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _k_packed(scores, zsum, qw, pg8, pgh, base, off, meta, zoff, n,
-              W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Add q . K over a page's ``n`` channels of width ``W`` to ``scores`` [BLOCK_M, P] and q . zero to ``zsum``:
-    the channels' scales fold into q (``q . (code * s + z) = (q * s) . code + q . z``), so the codes go to the dot
-    as their exact fp16 images ``(0x6400 | code) - 1024``."""
-    code = _k_codes(pg8, base, off, n, W, CW, P)
-    sc, zp = _k_meta(pgh, meta, zoff, n, CW)
-    qf = qw.to(tl.float32)
-    zsum += tl.reduce(qf * zp[None, :], 1, _add)
-    if DOT == tl.float16:
-        x = (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    Every channel is one row, whatever its width: a packed row reads the byte row that holds it (``kro``: its
+    byte offset in the page; the codes of ``8 / w`` channels share a byte, so neighbouring rows read the same
+    bytes, from L1) and takes its bits (``ksh``, ``kmask``: the mask in every byte of a word); its scale and
+    zero are the page's (``kmi``: its index among the packed channels). A 16-bit row reads its values; a width-0 row is its channel mean
+    (scale 0, zero = mean). So one dot per tile covers every width, and the registers do not depend on how
+    the stream's channels split between widths."""
+    t = t0 + tl.arange(0, PT)
+    KC: tl.constexpr = mean.shape[0]
+    if KQ:  # four tokens' bytes per int32 word: shifted and masked a word at a time, then split into bytes
+        u = t0 // 4 + tl.arange(0, PT // 4)
+        word = tl.load(pg32 + (base // 4 + kro // 4)[:, None] + u[None, :], mask=packed[:, None], other=0)
+        code = _bytes((word >> ksh[:, None]) & kmask[:, None])
+        sc = tl.load(pgh + meta + kmi, mask=packed, other=0.0)
+        zp = tl.where(packed, tl.load(pgh + meta + zoff + kmi, mask=packed, other=0.0), mean)
+        kt = _dequant(code, sc[:, None], zp[:, None], OUT)
     else:
-        x = code.to(DOT)
-    return tl.dot((qf * sc[None, :]).to(DOT), x, scores, input_precision=PREC), zsum
+        kt = tl.broadcast_to(mean.to(OUT)[:, None], [KC, PT])
+    if K16:  # the packed part of a 16-bit row is 0 * code + 0: add its values (x + 0 = x)
+        kt += tl.load(pg16 + (base // 2 + kro // 2)[:, None] + t[None, :], mask=wide[:, None], other=0.0).to(OUT)
+    return kt
 
 
 @triton.jit
-def _k_rope(scores, pg8, pgh, base, off, meta, zoff, c0, n, kposf, q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd,
-            W: tl.constexpr, CW: tl.constexpr, P: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-            PREC: tl.constexpr):
-    """Add q . RoPE(K) over a page's ``n`` pre-RoPE channels of width ``W`` (permuted channels from ``c0``): the
-    keys dequantized in fp32 and rotated to the page's positions (:func:`_rope_dot`)."""
-    code = _k_codes(pg8, base, off, n, W, CW, P)
-    sc, zp = _k_meta(pgh, meta, zoff, n, CW)
-    kt = code.to(tl.float32) * sc[:, None] + zp[:, None]
-    return _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, c0, n, rope_ptr, CW, D, sqd, DOT, PREC)
-
-
-@triton.jit
-def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bias, row_ok, q_pos, q_l,
-                pg8, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap, scale2,
-                q_row_ptrs, sqd, perm_ptr, rope_ptr, kmean_ptr,
-                C: tl.constexpr, D: tl.constexpr, P: tl.constexpr, C0: tl.constexpr, C2: tl.constexpr,
-                C4: tl.constexpr, C8: tl.constexpr, C16: tl.constexpr, K2: tl.constexpr, K4: tl.constexpr,
-                K8: tl.constexpr, K16: tl.constexpr, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
+def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q_l,
+                kro, ksh, kmask, kmi, zoff, packed, wide, mean,
+                pg8, pg32, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap, scale2,
+                q_row_ptrs, qp_rows, sqd, perm_ptr, rope_ptr, kmean_ptr,
+                C: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PT: tl.constexpr, KC: tl.constexpr, KQ: tl.constexpr,
+                K16: tl.constexpr, VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr,
                 POS_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr):
-    """The pages of V class ``C`` (width 2 << C) among pages [lo, hi) of stream ``s``.
+    """The pages of V class ``C`` (width 2 << C) among pages [lo, hi) of stream ``s``, ``PT`` tokens at a time.
 
-    V is dequantized as in the packed kernel (:func:`rdkv.kernels.device.trizone_decode._ab_class`): per code plane
-    where rows are at least 16 bytes and the program holds 16 query rows, else unpacked to [P, D]. ``ROPE``: the
-    keys were packed before RoPE and are rotated to each page's positions, the width-0 means included."""
+    K: one [D, PT] tile per step (:func:`_k_tile`) and one dot with the permuted q, or ``KC`` channels at a time
+    where a whole tile would spill (fp32 dots, head_dim 256; ``ROPE``: keys packed before RoPE, dequantized in fp32
+    and rotated to their positions). V is dequantized as in the packed kernel
+    (:func:`rdkv.kernels.device.trizone_decode._ab_class`): per code plane where rows are at least 16 bytes and
+    the program holds 16 query rows, else unpacked to [PT, D]."""
     VW: tl.constexpr = 2 << C
+    SUB: tl.constexpr = P // PT
     if VW == 2:
         V_GROUP: tl.constexpr = VG2
     elif VW == 4:
@@ -128,14 +110,9 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bia
     count = tl.load(st + F_COUNT + C)
     psize = tl.multiple_of(tl.load(st + F_PSIZE + C).to(tl.int64), 16)
     cbase = tl.multiple_of(tl.load(cbase_ptr + s * 4 + C), 16)
-    n2, n4, n8, n16 = tl.load(st + F_CHANS), tl.load(st + F_CHANS + 1), tl.load(st + F_CHANS + 2), tl.load(st + F_CHANS + 3)
-    # every section starts on 16 bytes (rdkv.pages): the hints let the loads be 16-byte vectors
-    o2, o4 = tl.multiple_of(tl.load(st + F_KOFF), 16), tl.multiple_of(tl.load(st + F_KOFF + 1), 16)
-    o8, o16 = tl.multiple_of(tl.load(st + F_KOFF + 2), 16), tl.multiple_of(tl.load(st + F_KOFF + 3), 16)
     kmeta = tl.multiple_of(tl.load(st + F_KMETA), 16)
     voff = tl.multiple_of(tl.load(st + F_VOFF), 16)
-    zoff = n2 + n4 + n8  # fp16 elements from a channel's scale to its zero
-    t = tl.arange(0, P)
+    t = tl.arange(0, PT)
     d = tl.arange(0, D)
     rb = tl.arange(0, RB)
     ng = tl.arange(0, NG)
@@ -147,79 +124,75 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bia
         if PER == 4:
             a2 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
             a3 = tl.full([BLOCK_M, RB], 0.0, dtype=tl.float32)
-    for pg in range(a, e):
+    for i in range(a * SUB, e * SUB):
+        pg = i // SUB
+        t0 = (i % SUB) * PT
         base = tl.multiple_of(cbase + (pg - p0) * psize, 16)  # int64 byte offset of the page
-        tok_ok = t < count - (pg - p0) * P
-        kpos = tl.load(pgpos + (base + voff + VSEC) // POS_BYTES + t).to(tl.int32)
-        scores = tl.full([BLOCK_M, P], 0.0, dtype=tl.float32)
-        zsum = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+        tok = t0 + t
+        tok_ok = tok < count - (pg - p0) * P
+        kpos = tl.load(pgpos + (base + voff + VSEC) // POS_BYTES + tok).to(tl.int32)
+        scores = tl.full([BLOCK_M, PT], 0.0, dtype=tl.float32)
         meta = (base + kmeta) // 2
-        if ROPE:
-            kposf = kpos.to(tl.float32)
-            if C0 > 0:
-                n0 = tl.load(st + F_C0)
-                j0 = tl.arange(0, C0)
-                mean = tl.load(kmean_ptr + tl.load(st + F_MEAN0) + j0, mask=j0 < n0, other=0.0).to(tl.float32)
-                kt = tl.broadcast_to(mean[:, None], [C0, P])
-                scores = _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, 0, n0, rope_ptr, C0, D, sqd,
-                                   DOT, PREC)
-            if K2:
-                scores = _k_rope(scores, pg8, pgh, base, o2, meta, zoff, tl.load(st + F_CH0), n2, kposf, q_row_ptrs,
-                                 row_ok, perm_ptr, s, rope_ptr, sqd, 2, C2, P, D, DOT, PREC)
-            if K4:
-                scores = _k_rope(scores, pg8, pgh, base, o4, meta + n2, zoff, tl.load(st + F_CH0 + 1), n4, kposf,
-                                 q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd, 4, C4, P, D, DOT, PREC)
-            if K8:
-                scores = _k_rope(scores, pg8, pgh, base, o8, meta + n2 + n4, zoff, tl.load(st + F_CH0 + 2), n8, kposf,
-                                 q_row_ptrs, row_ok, perm_ptr, s, rope_ptr, sqd, 8, C8, P, D, DOT, PREC)
-            if K16:
-                j = tl.arange(0, C16)
-                kt = tl.load(pg16 + (base + o16) // 2 + (j[:, None] * P + t[None, :]), mask=(j < n16)[:, None],
-                             other=0.0)
-                scores = _rope_dot(scores, kt.to(tl.float32), kposf, q_row_ptrs, row_ok, perm_ptr, s,
-                                   tl.load(st + F_CH0 + 3), n16, rope_ptr, C16, D, sqd, DOT, PREC)
-        if K2 and not ROPE:
-            scores, zsum = _k_packed(scores, zsum, q2, pg8, pgh, base, o2, meta, zoff, n2, 2, C2, P, DOT, PREC)
-        if K4 and not ROPE:
-            scores, zsum = _k_packed(scores, zsum, q4, pg8, pgh, base, o4, meta + n2, zoff, n4, 4, C4, P, DOT, PREC)
-        if K8 and not ROPE:
-            scores, zsum = _k_packed(scores, zsum, q8, pg8, pgh, base, o8, meta + n2 + n4, zoff, n8, 8, C8, P, DOT,
-                                     PREC)
-        if K16 and not ROPE:
-            j = tl.arange(0, C16)
-            kt = tl.load(pg16 + (base + o16) // 2 + (j[:, None] * P + t[None, :]), mask=(j < n16)[:, None], other=0.0)
-            scores = tl.dot(q16.to(DOT), kt.to(DOT), scores, input_precision=PREC)
-        scores = (scores + zsum[:, None]) * scale2 + bias[:, None]  # base-2 units
+        if KC == D and not ROPE:  # the tables and q, held by the program
+            kt = _k_tile(pg32, pgh, pg16, base, t0, kro, ksh, kmask, kmi, zoff, meta, packed, wide, mean, PT, KQ, K16,
+                         DOT)
+            scores = tl.dot(qk, kt, scores, input_precision=PREC)
+        else:  # KC channels at a time, their tables and q columns read again each step
+            for c0 in range(0, D, KC):  # a loop, not unrolled: the tables of every chunk would be hoisted
+                kro, ksh, kmask, kmi, packed, wide, mean = _row_tables(st, kmean_ptr, c0, KC, P)
+                if ROPE:
+                    kt = _k_tile(pg32, pgh, pg16, base, t0, kro, ksh, kmask, kmi, zoff, meta, packed, wide, mean, PT,
+                                 KQ, K16, tl.float32)
+                    scores = _rope_dot(scores, kt, kpos.to(tl.float32), q_row_ptrs, row_ok, perm_ptr, s, c0, KC,
+                                       rope_ptr, KC, D, sqd, DOT, PREC)
+                else:
+                    kt = _k_tile(pg32, pgh, pg16, base, t0, kro, ksh, kmask, kmi, zoff, meta, packed, wide, mean, PT,
+                                 KQ, K16, DOT)
+                    qc = tl.load(qp_rows[:, None] + (c0 + tl.arange(0, KC))[None, :], mask=row_ok[:, None], other=0.0)
+                    scores = tl.dot(qc.to(DOT), kt, scores, input_precision=PREC)
+        scores = scores * scale2  # base-2 units
         ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
         p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
         vb = base + voff
         if PLANES:  # one dot per code plane; acc itself is rescaled once, after the loop
             run = run * alpha
             pd = p.to(DOT)
-            byte = tl.load(pg8 + vb + (t[:, None] * RB + rb[None, :]))
-            sz = (vb + P * RB) // 2 + (t[:, None] * NG + ng[None, :])
+            # 2 and 4 bits: the codes as int32 words (a row is >= 16 bytes), each plane masked a word at a time
+            if PER == 1:
+                byte = tl.load(pg8 + vb + (tok[:, None] * RB + rb[None, :]))
+            else:
+                word = tl.load(pg32 + vb // 4 + (tok[:, None] * (RB // 4) + tl.arange(0, RB // 4)[None, :]))
+            sz = (vb + P * RB) // 2 + (tok[:, None] * NG + ng[None, :])
             sc = tl.load(pgh + sz)
             zp = tl.load(pgh + sz + P * NG)
             # plane k holds channels byte * PER + k, whose group is byte // (V_GROUP / PER) for every k
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [P, NG, V_GROUP // PER]), [P, RB])
-            zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [P, NG, V_GROUP // PER]), [P, RB])
-            a0 = tl.dot(pd, _dequant(byte & MASK, sc, zp, DOT), a0 * alpha[:, None], input_precision=PREC)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [PT, NG, V_GROUP // PER]), [PT, RB])
+            zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [PT, NG, V_GROUP // PER]), [PT, RB])
+            if PER == 1:
+                a0 = tl.dot(pd, _dequant(byte, sc, zp, DOT), a0 * alpha[:, None], input_precision=PREC)
+            else:
+                MASK4: tl.constexpr = MASK * 0x01010101
+                a0 = tl.dot(pd, _dequant(_bytes(word & MASK4), sc, zp, DOT), a0 * alpha[:, None],
+                            input_precision=PREC)
             if PER >= 2:
-                a1 = tl.dot(pd, _dequant((byte >> VW) & MASK, sc, zp, DOT), a1 * alpha[:, None], input_precision=PREC)
+                a1 = tl.dot(pd, _dequant(_bytes((word >> VW) & MASK4), sc, zp, DOT), a1 * alpha[:, None],
+                            input_precision=PREC)
             if PER == 4:
-                a2 = tl.dot(pd, _dequant((byte >> 4) & MASK, sc, zp, DOT), a2 * alpha[:, None], input_precision=PREC)
-                a3 = tl.dot(pd, _dequant(byte >> 6, sc, zp, DOT), a3 * alpha[:, None], input_precision=PREC)
+                a2 = tl.dot(pd, _dequant(_bytes((word >> 4) & MASK4), sc, zp, DOT), a2 * alpha[:, None],
+                            input_precision=PREC)
+                a3 = tl.dot(pd, _dequant(_bytes((word >> 6) & MASK4), sc, zp, DOT), a3 * alpha[:, None],
+                            input_precision=PREC)
         else:
             acc = acc * alpha[:, None]
             if VW == 16:
-                v = tl.load(pg16 + vb // 2 + (t[:, None] * D + d[None, :]))
-            else:  # rows too short for a dot per plane: [P, RB] -> [P, RB, PER] -> [P, D] in registers
-                byte = tl.load(pg8 + vb + (t[:, None] * RB + rb[None, :]))
+                v = tl.load(pg16 + vb // 2 + (tok[:, None] * D + d[None, :]))
+            else:  # rows too short for a dot per plane: [PT, RB] -> [PT, RB, PER] -> [PT, D] in registers
+                byte = tl.load(pg8 + vb + (tok[:, None] * RB + rb[None, :]))
                 sh = tl.arange(0, PER) * VW
-                code = tl.reshape((byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & MASK, [P, D])
-                sz = (vb + P * RB) // 2 + (t[:, None] * NG + ng[None, :])
-                sc = tl.reshape(tl.broadcast_to(tl.load(pgh + sz)[:, :, None], [P, NG, V_GROUP]), [P, D])
-                zp = tl.reshape(tl.broadcast_to(tl.load(pgh + sz + P * NG)[:, :, None], [P, NG, V_GROUP]), [P, D])
+                code = tl.reshape((byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & MASK, [PT, D])
+                sz = (vb + P * RB) // 2 + (tok[:, None] * NG + ng[None, :])
+                sc = tl.reshape(tl.broadcast_to(tl.load(pgh + sz)[:, :, None], [PT, NG, V_GROUP]), [PT, D])
+                zp = tl.reshape(tl.broadcast_to(tl.load(pgh + sz + P * NG)[:, :, None], [PT, NG, V_GROUP]), [PT, D])
                 v = _dequant(code, sc, zp, DOT)
             acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
     if PLANES:  # interleave the planes back to channel order (channel = byte * PER + k), once per class
@@ -233,16 +206,37 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bia
     return m_i, l_i, acc
 
 
+@triton.jit
+def _row_tables(st, kmean_ptr, c0, KC: tl.constexpr, P: tl.constexpr):
+    """Where each of the stream's permuted channels [c0, c0 + KC) sits in a page, as [KC] vectors: the byte offset
+    of its row (packed: the byte row holding it; 16-bit: its values), its bit shift and mask, its index among the
+    packed channels (for its scale and zero), whether it is packed or 16-bit, and its mean (width 0)."""
+    c = c0 + tl.arange(0, KC)
+    f2, f4, f8, f16 = tl.load(st + F_CH0), tl.load(st + F_CH0 + 1), tl.load(st + F_CH0 + 2), tl.load(st + F_CH0 + 3)
+    k = (c >= f2).to(tl.int32) + (c >= f4).to(tl.int32) + (c >= f8).to(tl.int32) + (c >= f16).to(tl.int32)
+    k1 = tl.maximum(k - 1, 0)  # the K section of a packed or 16-bit channel: widths 2, 4, 8, 16
+    first = tl.load(st + F_CH0 + k1)
+    w = 1 << (k1 + 1)
+    j = c - first
+    per = 8 // tl.minimum(w, 8)
+    packed = (k > 0) & (k < 4)
+    wide = k == 4
+    kro = tl.load(st + F_KOFF + k1) + tl.where(wide, j * (2 * P), (j // per) * P)
+    ksh = tl.where(packed, (j % per) * w, 0)
+    kmask = tl.where(packed, ((1 << w) - 1) * 0x01010101, 0)  # in each byte of a word
+    mean = tl.load(kmean_ptr + tl.load(st + F_MEAN0) + c, mask=k == 0, other=0.0)
+    return tl.multiple_of(kro, 16), ksh, kmask, c - f2, packed, wide, mean
+
+
 @triton.jit(do_not_specialize=["n_ab", "n_c", "c_chunks", "c_start", "seq_len", "window"])
 def _page_attn(
     q_ptr, sqb, sqh, sql, sqd, qp_ptr, out_ptr, lse_ptr,
-    pg8, pgh, pg16, pgpos, kmean_ptr, st_ptr, cbase_ptr, wi_s_ptr, wi_lo_ptr,
+    pg8, pg32, pgh, pg16, pgpos, kmean_ptr, st_ptr, cbase_ptr, wi_s_ptr, wi_lo_ptr,
     kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
     mask_ptr, smb, sml, smk, perm_ptr, rope_ptr,
     n_ab, n_c, c_chunks, c_start, seq_len, scale2, window, softcap,
     H, G, L, SPLIT, SPLIT_C,
-    D: tl.constexpr, P: tl.constexpr, C0: tl.constexpr, C2: tl.constexpr, C4: tl.constexpr, C8: tl.constexpr,
-    C16: tl.constexpr, K2: tl.constexpr, K4: tl.constexpr, K8: tl.constexpr, K16: tl.constexpr,
+    D: tl.constexpr, P: tl.constexpr, PT: tl.constexpr, KC: tl.constexpr, KQ: tl.constexpr, K16: tl.constexpr,
     VG2: tl.constexpr, VG4: tl.constexpr, VG8: tl.constexpr, POS_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
@@ -266,28 +260,19 @@ def _page_attn(
         b = s // H
         q_row_ptrs = q_ptr + b * sqb + ((s % H) * G + g).to(tl.int64) * sqh + q_l * sql
         qp_rows = qp_ptr + (s * GL + m).to(tl.int64) * D  # q in the stream's permuted channel order [S, GL, D]
-        # width-0 channels: every kept token has the channel means, a constant score per query row (unless ROPE
-        # rotates them to each token's position: then _page_class adds them per page)
-        bias = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        if C0 > 0 and not ROPE:
-            n0 = tl.load(st + F_C0)
-            j = tl.arange(0, C0)
-            mean = tl.load(kmean_ptr + tl.load(st + F_MEAN0) + j, mask=j < n0, other=0.0).to(tl.float32)
-            bias = tl.reduce(_q_cols(qp_rows, row_ok, 0, n0, C0).to(tl.float32) * mean[None, :], 1, _add) * scale2
-        # the q columns of each K width, loaded once per program
-        q2 = _q_cols(qp_rows, row_ok, tl.load(st + F_CH0), tl.load(st + F_CHANS), C2)
-        q4 = _q_cols(qp_rows, row_ok, tl.load(st + F_CH0 + 1), tl.load(st + F_CHANS + 1), C4)
-        q8 = _q_cols(qp_rows, row_ok, tl.load(st + F_CH0 + 2), tl.load(st + F_CHANS + 2), C8)
-        q16 = _q_cols(qp_rows, row_ok, tl.load(st + F_CH0 + 3), tl.load(st + F_CHANS + 3), C16)
+        zoff = tl.load(st + F_CHANS) + tl.load(st + F_CHANS + 1) + tl.load(st + F_CHANS + 2)  # scale -> zero
+        kro, ksh, kmask, kmi, packed, wide, mean = _row_tables(st, kmean_ptr, 0, KC, P)
+        qk = tl.load(qp_rows[:, None] + tl.arange(0, KC)[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
         for c in tl.static_range(4):
-            m_i, l_i, acc = _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, q2, q4, q8, q16, bias, row_ok,
-                                        q_pos, q_l, pg8, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap,
-                                        scale2, q_row_ptrs, sqd, perm_ptr, rope_ptr, kmean_ptr, c, D, P, C0, C2, C4,
-                                        C8, C16, K2, K4, K8, K16, VG2, VG4, VG8, POS_BYTES, BLOCK_M, DOT, PREC,
-                                        HAS_WINDOW, HAS_MASK, SOFTCAP, ROPE)
+            m_i, l_i, acc = _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q_l,
+                                        kro, ksh, kmask, kmi, zoff, packed, wide, mean,
+                                        pg8, pg32, pgh, pg16, pgpos, mask_ptr, smb, sml, smk, window, softcap, scale2,
+                                        q_row_ptrs, qp_rows, sqd, perm_ptr, rope_ptr, kmean_ptr, c, D, P, PT, KC, KQ,
+                                        K16, VG2, VG4, VG8,
+                                        POS_BYTES, BLOCK_M, DOT, PREC, HAS_WINDOW, HAS_MASK, SOFTCAP, ROPE)
     else:
         m_i, l_i, acc = _zone_c(m_i, l_i, acc, pid - n_ab, c_chunks, SPLIT_C, n_c, H, G, g, q_l, q_pos, row_ok,
                                 q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
-                                c_start, scale2, window, softcap, mask_ptr, smb, sml, smk, D, D, P, DOT, PREC,
+                                c_start, scale2, window, softcap, mask_ptr, smb, sml, smk, D, D, PT, DOT, PREC,
                                 HAS_WINDOW, HAS_MASK, SOFTCAP)
     _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D, D)
