@@ -103,9 +103,7 @@ def k_chunk(head_dim: int, dtype: torch.dtype, rope: bool) -> int:
         return 16
     if dtype == torch.float32 and head_dim > 128:  # an fp32 dot holds a row of each operand per thread
         return 16
-    if dtype == torch.bfloat16 and head_dim == 64:  # no exact fp16 image of the codes: they dequantize in fp32
-        return 32
-    return head_dim
+    return min(head_dim, 128)
 
 
 def programs_per_sm(cfg: LaunchConfig) -> int:

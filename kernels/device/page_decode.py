@@ -32,11 +32,12 @@ FIELDS = tl.constexpr(32)
 
 @triton.jit
 def _bytes(word):
-    """int32 words [R, N] -> their bytes [R, 4 N] (byte j of word u at 4 u + j), as int32."""
+    """int32 words [R, N] -> their bytes [R, 4 N] (byte j of word u at 4 u + j) as uint8: truncations, so
+    ptxas picks each byte with one PRMT (masking with 0xFF costs a mask register and an instruction)."""
     R: tl.constexpr = word.shape[0]
     N: tl.constexpr = word.shape[1]
-    lo = tl.join(word & 0xFF, (word >> 16) & 0xFF)
-    hi = tl.join((word >> 8) & 0xFF, (word >> 24) & 0xFF)
+    lo = tl.join(word.to(tl.uint8), (word >> 16).to(tl.uint8))
+    hi = tl.join((word >> 8).to(tl.uint8), (word >> 24).to(tl.uint8))
     return tl.reshape(tl.join(lo, hi), [R, 4 * N])
 
 
@@ -157,11 +158,8 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q
         if PLANES:  # one dot per code plane; acc itself is rescaled once, after the loop
             run = run * alpha
             pd = p.to(DOT)
-            # 2 and 4 bits: the codes as int32 words (a row is >= 16 bytes), each plane masked a word at a time
-            if PER == 1:
-                byte = tl.load(pg8 + vb + (tok[:, None] * RB + rb[None, :]))
-            else:
-                word = tl.load(pg32 + vb // 4 + (tok[:, None] * (RB // 4) + tl.arange(0, RB // 4)[None, :]))
+            # the codes as int32 words (a row is >= 16 bytes), each plane masked a word at a time
+            word = tl.load(pg32 + vb // 4 + (tok[:, None] * (RB // 4) + tl.arange(0, RB // 4)[None, :]))
             sz = (vb + P * RB) // 2 + (tok[:, None] * NG + ng[None, :])
             sc = tl.load(pgh + sz)
             zp = tl.load(pgh + sz + P * NG)
@@ -169,7 +167,7 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q
             sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [PT, NG, V_GROUP // PER]), [PT, RB])
             zp = tl.reshape(tl.broadcast_to(zp[:, :, None], [PT, NG, V_GROUP // PER]), [PT, RB])
             if PER == 1:
-                a0 = tl.dot(pd, _dequant(byte, sc, zp, DOT), a0 * alpha[:, None], input_precision=PREC)
+                a0 = tl.dot(pd, _dequant(_bytes(word), sc, zp, DOT), a0 * alpha[:, None], input_precision=PREC)
             else:
                 MASK4: tl.constexpr = MASK * 0x01010101
                 a0 = tl.dot(pd, _dequant(_bytes(word & MASK4), sc, zp, DOT), a0 * alpha[:, None],
