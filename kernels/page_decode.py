@@ -8,6 +8,7 @@ class), built once per segment and kept beside it (:func:`rdkv.layout.derived`).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -106,6 +107,18 @@ def k_chunk(head_dim: int, dtype: torch.dtype, rope: bool) -> int:
     return min(head_dim, 128)
 
 
+def page_launch_config(head_dim: int, block_m: int, dtype: torch.dtype, launch: LaunchConfig | None,
+                       rope: bool = False, masked: bool = False) -> LaunchConfig:
+    """:func:`rdkv.kernels.trizone_decode.launch_config`, with 4 warps at head_dim 128 for 16 fp16/bf16 query rows
+    without window, mask or softcap (``masked``): a program then fits in 255 registers without spills, so two
+    share an SM and keep two pages in flight (docs/kernels.md, "The page kernel, one K tile"). The other variants
+    spill at 4 warps and keep 8."""
+    o = launch or LaunchConfig()
+    if o.num_warps is None and head_dim <= 128 and block_m == 16 and dtype != torch.float32 and not masked:
+        o = dataclasses.replace(o, num_warps=4)
+    return launch_config(head_dim, block_m, dtype, rope, o)
+
+
 def programs_per_sm(cfg: LaunchConfig) -> int:
     """Register-bound: the kernel takes ~240 of the 255 registers a thread may have, so 65536 / (256 x 32 x warps),
     at least 1."""
@@ -136,7 +149,9 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     P = pages.page_tokens(D)
     block_m = 16 if D > 128 else block_m_for(GL, query.dtype)  # 32 rows of head_dim 256 spill
     m_blocks = -(-GL // block_m)
-    cfg = launch_config(D, block_m, query.dtype, override=launch)
+    window = sliding_window if layer.sliding_window is None else layer.sliding_window
+    masked = window is not None or mask is not None or softcap is not None
+    cfg = page_launch_config(D, block_m, query.dtype, launch, masked=masked)
     tile = min(P, cfg.block_n)  # tokens per step: a page, or a part of one (fp32: 16)
     segs = layer.segments()
     if cfg.split:
@@ -148,7 +163,6 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
                   for seg in segs]
     tabs = [tables(seg, split) for seg, split in zip(segs, splits)]
     seq = layer.get_seq_length()
-    window = sliding_window if layer.sliding_window is None else layer.sliding_window
     kc, vc = layout.zone_c(layer)
     n_c = kc.shape[2]
     split_c = tabs[0].split * P
@@ -170,7 +184,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
         if not size:
             continue
         rope, perm = layout.rope_table(seg), layout.k_perm(seg)
-        seg_cfg = launch_config(D, block_m, query.dtype, rope is not None, launch)
+        seg_cfg = page_launch_config(D, block_m, query.dtype, launch, rope is not None, masked)
         buf = pages.buffer(seg)
         buf = buf if buf.numel() else torch.zeros(16, dtype=torch.uint8, device=query.device)
         pos_bytes = layout.pos_bytes(seg.prefix_len)

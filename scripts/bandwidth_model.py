@@ -210,7 +210,7 @@ def page_row(B: int, T: int, budget: float) -> dict:
 
     layer, ratio = paged_layer(B, T, budget)
     q = torch.randn(B, bd.H * bd.G, 1, bd.D, dtype=torch.float16)
-    cfg = pk.launch_config(bd.D, pk.block_m_for(bd.G), torch.float16)
+    cfg = pk.page_launch_config(bd.D, pk.block_m_for(bd.G), torch.float16, None)
     plan = pages.segment_plan(layer)
     # the work items a launch on the GPU would cut (the launcher counts this machine's program slots as 4)
     split = pk.choose_pages(plan.page0[:, 4].tolist(), SMS * pk.programs_per_sm(cfg))
