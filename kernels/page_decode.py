@@ -141,7 +141,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
                 launch: LaunchConfig | None = None) -> torch.Tensor:
     """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D] over a paged
     layer and its paged folds: the contract of :func:`rdkv.kernels.trizone_decode.trizone_decode`."""
-    check(query, layer, softcap, mask)
+    check(query, layer, softcap, mask, paged=True)
     B, Hq, L, D = query.shape
     H = layer.heads
     G, S = Hq // H, B * H

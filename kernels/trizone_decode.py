@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton.language as tl
 
-from rdkv import layout, quant
+from rdkv import layout, pages, quant
 from rdkv.errors import RDKVError
 from rdkv.kernels.device.trizone_decode import LOG2E, _trizone_attn
 from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
@@ -174,9 +174,16 @@ def _stored(seg: TriZoneLayer, rows, widths: tuple[int, ...]) -> list[torch.Tens
 _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
+def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask, paged: bool = False) -> None:
+    """Raise :class:`RDKVError` for a call the kernel cannot serve; ``paged``: the caller is the page kernel, whose
+    segments must all be in pages (the packed kernel's: none)."""
     if not isinstance(layer, TriZoneLayer):
         raise RDKVError(f"the Triton decode kernel takes a TriZoneLayer, got {type(layer).__name__}")
+    layouts = [pages.paged(seg) for seg in layer.segments()]
+    if any(x != paged for x in layouts):
+        which = ", ".join("pages" if x else "packed" for x in layouts)
+        raise RDKVError(f"the {'page' if paged else 'packed-layout'} decode kernel reads segments "
+                        f"{'in pages' if paged else 'in the packed layout'} only; this layer's segments are: {which}")
     if query.dim() != 4:
         raise RDKVError(f"query must be [B, Hq, L, D], got shape {tuple(query.shape)}")
     B, Hq, L, D = query.shape

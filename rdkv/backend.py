@@ -21,6 +21,7 @@ BACKENDS = ("triton", "torch", "reference")
 # Triton is optional, and the kernels import the modules that dispatch to them.
 TRITON_KERNELS = {
     "decode": ("trizone_decode", "trizone_decode"),
+    "page_decode": ("page_decode", "page_decode"),  # a cache in pages (rdkv.pages)
     "quantize_pack": ("quantize_pack", "quantize_pack"),
     "token_weights": ("token_weights", "attention_sums"),
 }

@@ -1,6 +1,6 @@
 """One dispatch point for TriZone decode attention (:mod:`rdkv.backend` picks the path).
 
-CUDA tensors go to the fused Triton kernel, CPU tensors to the vectorised torch path
+CUDA tensors go to the fused Triton kernel (the page kernel for a cache in pages, :mod:`rdkv.pages`), CPU tensors to the vectorised torch path
 (:mod:`rdkv.cpu_decode`); ``RDKV_BACKEND=reference`` selects the pure-torch oracle both are tested against
 (:mod:`rdkv.reference`). After the step, a layer under a fold policy folds its zone C (:mod:`rdkv.fold`).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_decode, reference
+from . import cpu_decode, pages, reference
 from .backend import backend, triton_kernel
 from .fold import observe
 from .trizone import TriZoneLayer
@@ -24,7 +24,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
     """
     chosen = backend(query.device)
     if chosen == "triton":
-        out = triton_kernel("decode")(query, layer, scaling, sliding_window, softcap, mask)
+        kernel = triton_kernel("page_decode" if pages.paged(layer) else "decode")
+        out = kernel(query, layer, scaling, sliding_window, softcap, mask)
     else:
         # the torch paths run many small ops: inference mode drops their autograd bookkeeping (measured with the
         # K-scale folding in docs/benchmarks.md); the output is cloned back to an ordinary tensor, which the model

@@ -161,6 +161,28 @@ def test_folds_merge_with_the_prefix_and_zone_c(split):
         torch.testing.assert_close(got.float(), reference(q, layer, 0.125, window).float(), **TOL[dtype])
 
 
+def test_the_triton_backend_sends_a_cache_in_pages_to_the_page_kernel(monkeypatch):
+    """rdkv.decode picks the kernel by the layer's layout; a layer mixing layouts is refused by both kernels."""
+    from rdkv import decode
+    from rdkv.errors import RDKVError
+    from rdkv.kernels.trizone_decode import trizone_decode
+    from rdkv.trizone import pack_layer
+
+    monkeypatch.setenv("RDKV_BACKEND", "triton")
+    layer = build(40, 1, 2, 200, 64)[0]
+    q = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    torch.testing.assert_close(decode.trizone_decode(q, layer, 0.125), reference(q, layer, 0.125), **TOL[q.dtype])
+    with pytest.raises(RDKVError, match="in the packed layout only; this layer's segments are: pages"):
+        trizone_decode(q, layer, 0.125)
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 1, 2, 50, 64, generator=g).to(DEVICE)
+    layer.folds = [pack_layer(k, v, 207, torch.full((1, 2, 50), 4, device=DEVICE),
+                              torch.full((1, 2, 4), 8, device=DEVICE), torch.arange(64, device=DEVICE).expand(1, 2, 64),
+                              layer.spec, torch.float16, None, 257)]
+    with pytest.raises(RDKVError, match="in pages only; this layer's segments are: pages, packed"):
+        decode.trizone_decode(q, layer, 0.125)
+
+
 def test_work_items_keep_every_program_slot_busy():
     """The launcher's split: items of ``split`` pages, dispatched in order to the first free of ``slots`` program
     slots, each costing one page more than its pages (kernels/page_decode.PROGRAM_PAGES)."""
