@@ -183,6 +183,52 @@ def test_the_triton_backend_sends_a_cache_in_pages_to_the_page_kernel(monkeypatc
         decode.trizone_decode(q, layer, 0.125)
 
 
+def in_pages(seg):
+    """A packed segment's allocation with its dequantized values packed again in pages (K requantized per page)."""
+    from rdkv.trizone import TriZoneLayer
+
+    K, V, pos, valid = seg.dequantize()
+    S, T, D = len(K), seg.prefix_len - seg.start, seg.head_dim
+    k, v = torch.zeros(S, T, D), torch.zeros(S, T, D)
+    s, i = valid.nonzero(as_tuple=True)
+    k[s, pos[s, i] - seg.start], v[s, pos[s, i] - seg.start] = K[s, i], V[s, i]
+    t = pages.pack(k, v, seg.start, layout.v_widths(seg).reshape(S, T), layout.k_bits(seg),
+                   layout.k_perm(seg).reshape(S, D), seg.spec, seg.dtype16)
+    out = TriZoneLayer(t, batch=seg.batch, heads=seg.heads, head_dim=D, start=seg.start, prefix_len=seg.prefix_len,
+                       spec=seg.spec, sliding_window=seg.sliding_window, dtype16=seg.dtype16)
+    layout.set_zone_c(out, *layout.zone_c(seg))
+    return out
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU paths are compared too")
+def test_real_model_generates_the_same_tokens_from_pages(monkeypatch):
+    """SmolLM2 compressed at 10% of a 400-token prefill, its layers in pages: the page kernel (Triton backend) and the
+    C page path (torch backend) generate the oracle's tokens, logits within 2e-2 (as
+    tests/test_cpu_decode.py::test_real_models_generate_the_same_tokens; measured 1.0e-3 and 1.3e-3 at 1k tokens)."""
+    import copy
+
+    import rdkv
+    from conftest import load_real
+
+    model, tok = load_real("smollm2-135m")
+    ids = tok(rdkv.models.retrieval_prompt(400, 0.5, tok)["context"], return_tensors="pt").input_ids
+    with rdkv.record(model) as rec:
+        model(ids[:, :-1], use_cache=True, logits_to_keep=1)
+    cache = rdkv.compress(rec, 0.1)
+    del rec
+    cache.layers = [in_pages(seg) for seg in cache.layers]
+    assert all(pages.paged(seg) for seg in cache.layers)
+    runs = {}
+    for backend in ("reference", "torch", "triton"):
+        monkeypatch.setenv("RDKV_BACKEND", backend)
+        runs[backend] = model.generate(ids, past_key_values=copy.deepcopy(cache), max_new_tokens=2, min_new_tokens=2,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True)
+    for backend in ("torch", "triton"):
+        assert torch.equal(runs[backend].sequences, runs["reference"].sequences)
+        worst = max(float((a - b).abs().max()) for a, b in zip(runs[backend].logits, runs["reference"].logits))
+        assert worst < 2e-2
+
+
 def test_work_items_keep_every_program_slot_busy():
     """The launcher's split: items of ``split`` pages, dispatched in order to the first free of ``slots`` program
     slots, each costing one page more than its pages (kernels/page_decode.PROGRAM_PAGES)."""
