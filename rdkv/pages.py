@@ -251,6 +251,17 @@ def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     return (K if table is None else rope.rotate(K, pos, table)), V, pos, valid
 
 
+def v_widths(seg) -> torch.Tensor:
+    """V width of every held position of a paged segment [B, H, prefix_len - start] (0 = evicted), as
+    :func:`rdkv.layout.v_widths` of a packed one."""
+    D, p = seg.head_dim, segment_plan(seg)
+    at = _Slots(p)
+    pos = _get(buffer(seg), _pos_addresses(p, at, D, seg.spec, seg.prefix_len), pos_dtype(seg.prefix_len)).long()
+    out = torch.zeros(seg.batch * seg.heads, seg.prefix_len - seg.start, dtype=torch.long, device=pos.device)
+    out[at.s, pos - seg.start] = torch.tensor(V_CLASSES, device=pos.device)[at.cls]
+    return out.view(seg.batch, seg.heads, -1)
+
+
 def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int,
                dtype16: torch.dtype):
     """Dense float32 K, V [S, Nmax, D] (K in the model's channel order), positions [S, Nmax] and validity: the torch

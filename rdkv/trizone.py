@@ -102,7 +102,7 @@ class TriZoneLayer(CacheLayerMixin):
 
     def v_widths(self) -> torch.Tensor:
         """V width of every held prefix position [B, H, prefix_len - start] (0 = evicted)."""
-        return layout.v_widths(self)
+        return pages.v_widths(self) if pages.paged(self) else layout.v_widths(self)
 
     def k_widths(self) -> torch.Tensor:
         """K width of every channel, in the model's channel order [B, H, D]."""
@@ -130,6 +130,25 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
                          sliding_window=sliding_window, dtype16=dtype16)
     layout.set_zone_c(layer, k.new_zeros(B, H, 0, D, dtype=dtype16), k.new_zeros(B, H, 0, D, dtype=dtype16))
     return layer
+
+
+def to_pages(seg: TriZoneLayer) -> TriZoneLayer:
+    """A packed layer in pages (:mod:`rdkv.pages`) at the same allocation (V classes, K block widths, channel
+    order), zone C shared: its dequantized values packed again (V to the same codes, which lie on their own grid;
+    K requantized per page, one more rounding; keys stored before RoPE are stored rotated). Compares the two layouts
+    on one cache until compress writes pages itself; a layer with folds is refused."""
+    if seg.folds or pages.paged(seg):
+        raise RDKVError("to_pages converts a packed layer without folds")
+    B, H, D, T = seg.batch, seg.heads, seg.head_dim, seg.prefix_len - seg.start
+    K, V, pos, valid = seg.dequantize()
+    s, i = valid.nonzero(as_tuple=True)
+    k, v = K.new_zeros(B * H, T, D), K.new_zeros(B * H, T, D)
+    k[s, pos[s, i] - seg.start], v[s, pos[s, i] - seg.start] = K[s, i], V[s, i]
+    out = pack_layer(k.view(B, H, T, D), v.view(B, H, T, D), seg.start, seg.v_widths(),
+                     layout.k_bits(seg).view(B, H, -1), layout.k_perm(seg).long().view(B, H, D), seg.spec,
+                     seg.dtype16, seg.sliding_window, seg.prefix_len, paged=True)
+    layout.set_zone_c(out, *layout.zone_c(seg))
+    return out
 
 
 def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tensor, k_opt: torch.Tensor,

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 import rdkv
-from rdkv import contention, cpu_decode, layout
-from rdkv.trizone import TriZoneLayer, pack_layer
+from rdkv import contention, cpu_decode
+from rdkv.trizone import TriZoneLayer, to_pages
 
 LOAD = ("import os, torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nparent = os.getppid()\n"
         "while os.getppid() == parent:  # ends with the benchmark, however it ends\n    a @ a\n")
@@ -86,23 +86,9 @@ def _none() -> None:
 
 
 def paged_twin(cache):
-    """The cache with every compressed layer re-packed in pages (rdkv.pages) from its own dequantized keys and
-    values, at the same allocation (V classes, K block widths, channel order), zone C shared."""
+    """The cache with every compressed layer re-packed in pages at the same allocation (:func:`rdkv.trizone.to_pages`)."""
     twin = copy.copy(cache)
-    twin.layers = list(cache.layers)
-    for i, layer in enumerate(cache.layers):
-        if not isinstance(layer, TriZoneLayer):
-            continue
-        B, H, D, T = layer.batch, layer.heads, layer.head_dim, layer.prefix_len - layer.start
-        K, V, pos, valid = layer.dequantize()
-        s, j = valid.nonzero(as_tuple=True)
-        k, v = K.new_zeros(B * H, T, D), K.new_zeros(B * H, T, D)
-        k[s, pos[s, j] - layer.start], v[s, pos[s, j] - layer.start] = K[s, j], V[s, j]
-        new = pack_layer(k.view(B, H, T, D), v.view(B, H, T, D), layer.start, layer.v_widths(),
-                         layout.k_bits(layer).view(B, H, -1), layout.k_perm(layer).long().view(B, H, D), layer.spec,
-                         layer.dtype16, layer.sliding_window, layer.prefix_len, paged=True)
-        layout.set_zone_c(new, *layout.zone_c(layer))
-        twin.layers[i] = new
+    twin.layers = [to_pages(layer) if isinstance(layer, TriZoneLayer) else layer for layer in cache.layers]
     return twin
 
 

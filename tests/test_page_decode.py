@@ -183,21 +183,30 @@ def test_the_triton_backend_sends_a_cache_in_pages_to_the_page_kernel(monkeypatc
         decode.trizone_decode(q, layer, 0.125)
 
 
-def in_pages(seg):
-    """A packed segment's allocation with its dequantized values packed again in pages (K requantized per page)."""
-    from rdkv.trizone import TriZoneLayer
+def test_to_pages_keeps_the_allocation_and_the_values():
+    """A packed layer in pages: the same widths, positions and V; K requantized per page, so 16-bit channels are
+    exact and 8-bit ones within one 8-bit step of a page's ~5-wide range (0.02)."""
+    from rdkv.errors import RDKVError
+    from rdkv.trizone import pack_layer, to_pages
 
-    K, V, pos, valid = seg.dequantize()
-    S, T, D = len(K), seg.prefix_len - seg.start, seg.head_dim
-    k, v = torch.zeros(S, T, D), torch.zeros(S, T, D)
-    s, i = valid.nonzero(as_tuple=True)
-    k[s, pos[s, i] - seg.start], v[s, pos[s, i] - seg.start] = K[s, i], V[s, i]
-    t = pages.pack(k, v, seg.start, layout.v_widths(seg).reshape(S, T), layout.k_bits(seg),
-                   layout.k_perm(seg).reshape(S, D), seg.spec, seg.dtype16)
-    out = TriZoneLayer(t, batch=seg.batch, heads=seg.heads, head_dim=D, start=seg.start, prefix_len=seg.prefix_len,
-                       spec=seg.spec, sliding_window=seg.sliding_window, dtype16=seg.dtype16)
-    layout.set_zone_c(out, *layout.zone_c(seg))
-    return out
+    g = torch.Generator().manual_seed(5)
+    B, H, T, D = 1, 2, 300, 64
+    widths = torch.tensor([0, 2, 4, 8, 16])
+    k, v = torch.randn(2, B, H, T, D, generator=g)
+    vw = widths[torch.randint(0, 5, (B, H, T), generator=g)]
+    kb = torch.tensor([[0, 2, 8, 16], [16, 8, 4, 2]]).view(B, H, D // 16)
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
+    seg = pack_layer(k, v, 5, vw, kb, perm, PackSpec(v_group=32, k_group=128, k_block=16), torch.float16, None, 305)
+    out = to_pages(seg)
+    assert pages.paged(out) and torch.equal(out.v_widths(), seg.v_widths()) and torch.equal(out.k_widths(), seg.k_widths())
+    (K0, V0, p0, ok0), (K1, V1, p1, ok1) = seg.dequantize(), out.dequantize()
+    assert torch.equal(ok0, ok1) and torch.equal(p0[ok0], p1[ok1]) and torch.equal(V0[ok0], V1[ok1])
+    err = (K0[ok0] - K1[ok1]).abs()  # [kept, D], model channel order
+    kw = seg.k_widths().reshape(B * H, 1, D).expand(-1, ok0.shape[1], -1)[ok0]
+    assert float(err[kw == 16].max()) == 0 and float(err[kw == 8].max()) < 0.02
+    layer = build(6, 1, 2, 100, 64)[0]
+    with pytest.raises(RDKVError, match="a packed layer without folds"):
+        to_pages(layer)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU paths are compared too")
@@ -209,6 +218,7 @@ def test_real_model_generates_the_same_tokens_from_pages(monkeypatch):
 
     import rdkv
     from conftest import load_real
+    from rdkv.trizone import to_pages
 
     model, tok = load_real("smollm2-135m")
     ids = tok(rdkv.models.retrieval_prompt(400, 0.5, tok)["context"], return_tensors="pt").input_ids
@@ -216,7 +226,7 @@ def test_real_model_generates_the_same_tokens_from_pages(monkeypatch):
         model(ids[:, :-1], use_cache=True, logits_to_keep=1)
     cache = rdkv.compress(rec, 0.1)
     del rec
-    cache.layers = [in_pages(seg) for seg in cache.layers]
+    cache.layers = [to_pages(seg) for seg in cache.layers]
     assert all(pages.paged(seg) for seg in cache.layers)
     runs = {}
     for backend in ("reference", "torch", "triton"):
