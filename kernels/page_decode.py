@@ -49,7 +49,7 @@ def stream_table(p: pages.PagePlan) -> torch.Tensor:
     st[:, dev.F_CHANS.value:dev.F_CHANS.value + 4] = p.chans[:, 1:]
     st[:, dev.F_CH0.value:dev.F_CH0.value + 4] = p.ch0[:, 1:]
     st[:, dev.F_KOFF.value:dev.F_KOFF.value + 4] = p.k_off
-    st[:, dev.F_KMETA.value], st[:, dev.F_VOFF.value], st[:, dev.F_C0.value], st[:, dev.F_MEAN0.value] = p.k_meta, p.v_off, p.chans[:, 0], p.mean0
+    st[:, dev.F_KMETA.value], st[:, dev.F_VOFF.value], st[:, dev.F_MEAN0.value] = p.k_meta, p.v_off, p.mean0
     st[:, dev.F_PAGE0.value:dev.F_PAGE0.value + 5] = p.page0
     st[:, dev.F_COUNT.value:dev.F_COUNT.value + 4] = p.counts
     st[:, dev.F_PSIZE.value:dev.F_PSIZE.value + 4] = p.page_size

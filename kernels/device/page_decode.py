@@ -22,11 +22,10 @@ F_CH0 = tl.constexpr(4)  # first permuted channel of K width 2, 4, 8, 16 (4)
 F_KOFF = tl.constexpr(8)  # byte offset inside a page of the K sections 2, 4, 8, 16 (4)
 F_KMETA = tl.constexpr(12)  # byte offset of the K scales (the zeros follow, 2 bytes per packed channel later)
 F_VOFF = tl.constexpr(13)  # byte offset of the V section
-F_C0 = tl.constexpr(14)  # channels of K width 0 (their means are outside the pages)
-F_MEAN0 = tl.constexpr(15)  # the stream's first channel mean
-F_PAGE0 = tl.constexpr(16)  # class boundaries along the stream's pages (5)
-F_COUNT = tl.constexpr(21)  # tokens of each class (4)
-F_PSIZE = tl.constexpr(25)  # bytes of a page of each class (4)
+F_MEAN0 = tl.constexpr(14)  # the stream's first channel mean (width-0 means are outside the pages)
+F_PAGE0 = tl.constexpr(15)  # class boundaries along the stream's pages (5)
+F_COUNT = tl.constexpr(20)  # tokens of each class (4)
+F_PSIZE = tl.constexpr(24)  # bytes of a page of each class (4)
 FIELDS = tl.constexpr(32)
 
 
