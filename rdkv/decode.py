@@ -1,8 +1,8 @@
 """One dispatch point for TriZone decode attention (:mod:`rdkv.backend` picks the path).
 
 CUDA tensors go to the fused Triton kernel (the page kernel for a cache in pages, :mod:`rdkv.pages`), CPU tensors
-to the vectorised torch path (:mod:`rdkv.cpu_decode`); ``RDKV_BACKEND=reference`` selects the pure-torch oracle both are tested against
-(:mod:`rdkv.reference`). After the step, a layer under a fold policy folds its zone C (:mod:`rdkv.fold`).
+to the vectorised torch path (:mod:`rdkv.cpu_decode`); ``RDKV_BACKEND=reference`` selects the pure-torch oracle
+both are tested against (:mod:`rdkv.reference`). After the step, a layer under a fold policy folds its zone C (:mod:`rdkv.fold`).
 """
 from __future__ import annotations
 
