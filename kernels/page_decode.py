@@ -146,16 +146,15 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     H = layer.heads
     G, S = Hq // H, B * H
     GL = G * L
-    P = pages.page_tokens(D)
     block_m = 16 if D > 128 else block_m_for(GL, query.dtype)  # 32 rows of head_dim 256 spill
     m_blocks = -(-GL // block_m)
     window = sliding_window if layer.sliding_window is None else layer.sliding_window
     masked = window is not None or mask is not None or softcap is not None
     cfg = page_launch_config(D, block_m, query.dtype, launch, masked=masked)
-    tile = min(P, cfg.block_n)  # tokens per step: a page, or a part of one (fp32: 16)
     segs = layer.segments()
+    page = [pages.segment_page(seg) for seg in segs]
     if cfg.split:
-        splits = [-(-cfg.split // P)] * len(segs)
+        splits = [-(-cfg.split // P) for P in page]
     else:
         slots = program_slots(query, cfg)
         splits = [layout.derived(seg, ("page split", slots),
@@ -165,7 +164,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     seq = layer.get_seq_length()
     kc, vc = layout.zone_c(layer)
     n_c = kc.shape[2]
-    split_c = tabs[0].split * P
+    split_c = tabs[0].split * page[0]
     c_chunks = -(-n_c // split_c)
     # partial results: segment 0's work items, zone C's, then each fold's
     sizes = [tabs[0].n_ab + S * c_chunks] + [tab.n_ab for tab in tabs[1:]]
@@ -180,7 +179,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
     else:
         mask_args = (out, 0, 0, 0)
     rows = query.reshape(S, GL, D)
-    for j, (seg, tab, off, size) in enumerate(zip(segs, tabs, offs, sizes)):
+    for j, (seg, tab, off, size, P) in enumerate(zip(segs, tabs, offs, sizes, page)):
         if not size:
             continue
         rope, perm = layout.rope_table(seg), layout.k_perm(seg)
@@ -198,7 +197,7 @@ def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, slidin
             tab.n_ab, n_c if j == 0 else 0, max(1, c_chunks), layer.c_start, seq, float(scaling) * LOG2E,
             int(window) if window is not None else 0, float(softcap) if softcap is not None else 1.0,
             H, G, L, tab.split, split_c,
-            D=D, P=P, PT=tile, KC=k_chunk(D, query.dtype, rope is not None), **tab.bounds,
+            D=D, P=P, PT=min(P, cfg.block_n), KC=k_chunk(D, query.dtype, rope is not None), **tab.bounds,
             VG2=seg.spec.v_group_of(2), VG4=seg.spec.v_group_of(4), VG8=seg.spec.v_group_of(8),
             POS_BYTES=pos_bytes, BLOCK_M=block_m, DOT=_DOT[query.dtype],
             PREC="ieee" if query.dtype == torch.float32 else "tf32",

@@ -205,7 +205,7 @@ def _page_segment(seg: TriZoneLayer) -> cpu_dequant.PageSegment:
         D = seg.head_dim
         return cpu_dequant.PageSegment(pages.buffer(seg), cpu_dequant.page_table(pages.segment_plan(seg)),
                                        pages.k_means(seg), tuple(seg.spec.v_group_of(w) for w in quant.PACKED),
-                                       pages.page_tokens(D), D, seg.dtype16 == torch.bfloat16,
+                                       pages.segment_page(seg), D, seg.dtype16 == torch.bfloat16,
                                        layout.pos_bytes(seg.prefix_len))
     return layout.derived(seg, "cpu pages", build)
 

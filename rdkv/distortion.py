@@ -55,6 +55,7 @@ from . import quant
 from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys
 from .errors import RDKVError
 from .layout import PackSpec, fixed_bytes, k_block_bytes, v_row_bytes
+from .pages import page_tokens
 from .trizone import TriZoneCache
 from .weights import channel_weights, token_weights
 
@@ -75,6 +76,7 @@ class LayerTables:
     dk: torch.Tensor  # [B, H, nb, 5] distortion of each K width per block
     perm: torch.Tensor  # [B, H, D] channel order; block j = perm[..., j*kb:(j+1)*kb]
     spec: PackSpec
+    page: int  # tokens per page (rdkv.pages.page_tokens): one K scale group, the unit V classes are stored in
     fixed: int  # bytes per sequence independent of the allocation (counts, permutation, block widths)
     nq: torch.Tensor  # [B] weight queries the distortion is summed over
     protect: torch.Tensor  # [B, H, T] bool: tokens that may not be evicted (sinks, the recent window)
@@ -84,7 +86,7 @@ class LayerTables:
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""
-        return k_block_bytes(self.spec, n)
+        return k_block_bytes(self.spec, n, self.page)
 
 
 def _v_errors(v: torch.Tensor, ref: torch.Tensor, spec: PackSpec) -> torch.Tensor:
@@ -102,16 +104,16 @@ def _mean(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (w.unsqueeze(-1) * v).sum(-2, keepdim=True) / w.sum(-1, keepdim=True).unsqueeze(-1).clamp_min(1e-30)
 
 
-def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, spec: PackSpec) -> torch.Tensor:
-    """sum_t m_t e_tc(b)^2 per channel and width [B, H, D, 5] (groups of k_group tokens per channel)."""
+def _k_errors(k: torch.Tensor, m: torch.Tensor, present: torch.Tensor, group: int) -> torch.Tensor:
+    """sum_t m_t e_tc(b)^2 per channel and width [B, H, D, 5] (groups of ``group`` tokens per channel)."""
     B, H, T, D = k.shape
     kc = k.transpose(-1, -2)  # [B, H, D, T]
     n = present.sum(-1, keepdim=True).clamp_min(1).unsqueeze(-2)
     mean = (kc * present.unsqueeze(-2)).sum(-1, keepdim=True) / n
     kc = torch.where(present.unsqueeze(-2), kc, mean)  # padding must not widen any group's range
-    pad = (-T) % spec.k_group
+    pad = (-T) % group
     kp = torch.cat([kc, kc[..., -1:].expand(B, H, D, pad)], -1) if pad else kc
-    g = kp.unflatten(-1, (-1, spec.k_group))
+    g = kp.unflatten(-1, (-1, group))
     errs = [(kc - mean).square()]
     for b in quant.PACKED:
         errs.append((g - quant.fake_quantize(g, b)).square().flatten(-2)[..., :T])
@@ -154,6 +156,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     if evict_to not in EVICT_TO:
         raise RDKVError(f"unknown evict_to {evict_to!r}; choose one of {EVICT_TO}")
     B, H, T, D = k.shape
+    page = page_tokens(D, spec, T)
     held_v = v  # what the re-pricing closures keep: the cache's own tensor, not a float32 copy of it
     k, v = k.float(), v.float()
     w = token_weights(sums) * present
@@ -173,7 +176,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         q2 = sums.q2 / nq
         if q_floor:
             q2 = (1 - q_floor) * q2 + q_floor * q2.mean(-1, keepdim=True)
-        dkc = scaling**2 * q2.unsqueeze(-1) * _k_errors(k, m * drift, present, spec)
+        dkc = scaling**2 * q2.unsqueeze(-1) * _k_errors(k, m * drift, present, page)
     else:
         halving = 2.0 ** -W.clamp_min(0).to(k.device)
         halving[0] = 1.0
@@ -191,7 +194,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
     elif joint is not None:
         reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, held_v, scaling)
     protect = torch.zeros_like(present) if protect is None else protect & present
-    return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec,
+    return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec, page,
                        fixed_bytes(H, D, spec, prerope), sums.nq, protect, reprice)
 
 

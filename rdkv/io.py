@@ -31,17 +31,17 @@ import torch
 import safetensors.torch
 from safetensors import SafetensorError
 
-from . import layout
+from . import layout, pages
 from .errors import CorruptFile, RDKVError
 from .fold import FoldPolicy
-from .layout import POSITION_LIMIT, PackSpec, check_layout
+from .layout import POSITION_LIMIT, PackSpec
 from .trizone import SIGNATURE, TriZoneCache, TriZoneLayer
 
 FORMAT = "rdkv.trizone"
 # 2: per-layer modelled distortion, a V group size per width; 3: the fold policy names its method; 4: the model the cache
-# was compressed for (a version-3 file loads without it, and decodes with any model whose shapes fit)
-VERSION = 4
-READS = (3, 4)
+# was compressed for; 5: segments in pages (rdkv.pages). Versions 1-4 hold the packed layout, which is no longer read
+VERSION = 5
+READS = (5,)
 _DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
            torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
            torch.bool: "BOOL"}
@@ -113,12 +113,18 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     name; the temporary files of saves killed before their rename are removed by the next save into that folder. A
     new file is created 0600 (a cache holds what its prompt said), one saved over keeps its mode.
 
+    Only caches in pages (:mod:`rdkv.pages`) are saved: a file holds one layout, the one :func:`load` checks.
+
     Args:
         cache: the :class:`TriZoneCache` to write.
         path: the file to write.
     """
     if not isinstance(cache, TriZoneCache) or not all(isinstance(x, TriZoneLayer) for x in cache.layers):
         raise RDKVError(f"rdkv.save takes the TriZoneCache rdkv.compress returned, got {type(cache).__name__}")
+    packed = next((i for i, layer in enumerate(cache.layers) if not all(map(pages.paged, layer.segments()))), None)
+    if packed is not None:
+        raise RDKVError(f"this cache holds a segment in the packed layout (layer {packed}); rdkv saves caches in "
+                        "pages: compress again")
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):
@@ -166,15 +172,16 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> TriZone
     """Read a cache written by :func:`save`, verify it, and place its tensors on ``device``.
 
     A file is untrusted input: the checksum only shows it is what some writer wrote. Every field is checked
-    before anything is built or sized by it (:func:`rdkv.layout.check_layout`): scalars in range, the pack spec
-    legal, every count, position, permutation and width table consistent with the tensors it indexes, their
+    before anything is built or sized by it (:func:`rdkv.pages.check_pages`): scalars in range, the pack spec
+    legal, every count, position, permutation and width table consistent with the pages it indexes, their
     dtypes and shapes exactly what the packer makes, 16-bit values, scales and zeros finite, the fold policy and
     spans well formed. The model the cache was compressed for is recorded in it, and decoding with another
     raises (:meth:`rdkv.TriZoneCache.check_model`).
 
     Raises :class:`rdkv.RDKVError` for a path that is not a regular file and :class:`rdkv.CorruptFile` saying
     what is wrong with the file (truncated, not a cache, another format version, missing tensors, a checksum
-    mismatch, or the field that is out of range) rather than returning a cache that could decode wrong tokens.
+    mismatch, or the field that is out of range; a file of format version 4 or older holds the packed layout, which
+    this rdkv no longer reads) rather than returning a cache that could decode wrong tokens.
 
     Args:
         path: a file :func:`save` wrote.
@@ -242,7 +249,7 @@ def _number(name: str, x, lo: float, hi: float, none: bool = False) -> float | N
 
 
 def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZoneCache:
-    """The cache the metadata and tensors describe, every field checked first (:func:`rdkv.layout.check_layout`,
+    """The cache the metadata and tensors describe, every field checked first (:func:`rdkv.pages.check_pages`,
     :meth:`rdkv.fold.FoldPolicy.check`): a bad field raises naming it, before anything is sized by it."""
     out = []
     for i, lay in enumerate(layers):
@@ -252,7 +259,7 @@ def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZone
             shape = dict(batch=lay["batch"], heads=lay["heads"], head_dim=lay["head_dim"], spec=PackSpec(**lay["spec"]),
                          sliding_window=lay["sliding_window"], dtype16=_DTYPE16[lay["dtype16"]])
             t = {n: tensors[f"layers.{i}.{n}"] for n in lay["tensors"]}
-            check_layout(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
+            pages.check_pages(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
             layer = TriZoneLayer(t, start=lay["start"], prefix_len=lay["prefix_len"], **shape)
             end = lay["prefix_len"]
             for j, f in enumerate(lay["folds"]):
@@ -260,7 +267,7 @@ def _build(top: dict, layers: list, tensors: dict[str, torch.Tensor]) -> TriZone
                 if f["start"] < end:
                     raise ValueError(f"fold {j} starts at {f['start']}, before the end {end} of what precedes it")
                 try:
-                    check_layout(ft, start=f["start"], prefix_len=f["end"], zone_c=False, **shape)
+                    pages.check_pages(ft, start=f["start"], prefix_len=f["end"], zone_c=False, **shape)
                 except RDKVError as e:
                     raise RDKVError(f"fold {j}: {e}") from e
                 layer.folds.append(TriZoneLayer(ft, start=f["start"], prefix_len=f["end"], **shape))

@@ -49,7 +49,7 @@ class PackSpec:
     # channels per V scale/zero: one size, or one per packed V width (2, 4, 8 bits). On Gemma 3 at ~40% of the
     # bytes, groups of 32 paid on the 2-bit rows only: (32, 64, 64) (docs/experiments.md)
     v_group: int | tuple[int, int, int] = 64
-    k_group: int = 128  # tokens per K scale/zero, per channel
+    k_group: int = 128  # tokens per K scale/zero per channel at most: a page (rdkv.pages.page_tokens) is one group
     k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
 
     def __post_init__(self) -> None:
@@ -70,8 +70,11 @@ class PackSpec:
         for name, g in groups + [("k_block", self.k_block)]:
             if g <= 0 or head_dim % g:
                 raise RDKVError(f"{name}={g} must divide head_dim={head_dim}; pick a divisor such as {head_dim}")
-        if self.k_group <= 0 or self.k_block % 4 or any(g % 4 for _, g in groups):
-            raise RDKVError("k_group must be positive and v_group/k_block multiples of 4 (2-bit codes pack 4 per byte)")
+        if isinstance(self.k_group, bool) or not isinstance(self.k_group, int) or self.k_group < 16:
+            raise RDKVError(f"k_group must be an int of at least 16 (a page, one K scale group, holds 16 to 64 tokens), "
+                            f"got {self.k_group!r}")
+        if self.k_block % 4 or any(g % 4 for _, g in groups):
+            raise RDKVError("v_group and k_block must be multiples of 4 (2-bit codes pack 4 per byte)")
 
 
 def pos_dtype(length: int) -> torch.dtype:
@@ -105,11 +108,12 @@ def v_row_bytes(spec: PackSpec, head_dim: int, length: int) -> torch.Tensor:
                          + (pos_bytes(length) if w else 0) for w in quant.WIDTHS], dtype=torch.float64)
 
 
-def k_block_bytes(spec: PackSpec, n: torch.Tensor) -> torch.Tensor:
+def k_block_bytes(spec: PackSpec, n: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """Bytes of one K channel block at each width of ``quant.WIDTHS`` when its stream keeps ``n`` tokens
     [...] -> [..., 5] (float64): at 0 bits the block's channel means, at 16 its rows, else its codes plus a
-    scale and zero per channel per started group of ``k_group`` tokens."""
-    kb, g = spec.k_block, spec.k_group
+    scale and zero per channel per started group of ``group`` tokens (a page, :func:`rdkv.pages.page_tokens`;
+    ``k_group`` in the packed layout)."""
+    kb, g = spec.k_block, group or spec.k_group
     n = n.double().unsqueeze(-1)
     w = torch.tensor(quant.WIDTHS, dtype=torch.float64, device=n.device)
     packed = kb * w / 8 * n + kb * torch.ceil(n / g) * quant.META_BYTES
@@ -131,14 +135,11 @@ def _int(name: str, x, lo: int, hi: int = POSITION_LIMIT) -> int:
     return x
 
 
-def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
-                 spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
-    """Raise :class:`RDKVError` naming the first field of a packed segment that is not what :func:`pack_layer` makes:
-    scalars in range, the spec legal for ``head_dim``, exactly the tensors the counts imply with their dtypes and
-    shapes, counts non-negative and within the positions held, positions in range and distinct per stream and in
-    the packer's order, each permutation a permutation, widths legal and sorted, and finite 16-bit values, scales
-    and zeros. Every size is checked against a tensor before anything is sized by it, so a segment from an
-    untrusted file (:func:`rdkv.load`) can make no decode path read out of bounds or allocate beyond its tensors."""
+def check_scalars(*, batch: int, heads: int, head_dim: int, start: int, prefix_len: int, spec: PackSpec,
+                  sliding_window: int | None, dtype16: torch.dtype) -> tuple[int, int, int]:
+    """Raise :class:`RDKVError` naming the first of a segment's scalars out of range or its spec illegal for
+    ``head_dim``; (batch, heads, head_dim) otherwise. Shared by :func:`check_layout` and
+    :func:`rdkv.pages.check_pages`: nothing is sized by a scalar before this passes."""
     B, H = _int("batch", batch, 1, 2**16), _int("heads", heads, 1, 2**16)
     D = _int("head_dim", head_dim, 4, HEAD_DIM_LIMIT)
     start, prefix_len = _int("start", start, 0), _int("prefix_len", prefix_len, 0)
@@ -152,7 +153,12 @@ def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim
         raise RDKVError(f"spec must be a PackSpec, got {type(spec).__name__}")
     spec.check(D)
     _int("k_group", spec.k_group, 1, POSITION_LIMIT)
-    S, kb, L = B * H, spec.k_block, prefix_len - start
+    return B, H, D
+
+
+def tensor_checker(t: dict[str, torch.Tensor]) -> Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor]:
+    """A function returning ``t[name]`` once it is a tensor of exactly ``dtype`` and ``shape`` (and, if floating,
+    finite), raising :class:`RDKVError` naming it otherwise. The shape is compared, never allocated."""
 
     def tensor(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         x = t.get(name)
@@ -163,6 +169,47 @@ def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim
             raise RDKVError(f"tensor {name!r} holds NaN or Inf")
         return x
 
+    return tensor
+
+
+def check_extras(t: dict[str, torch.Tensor], names: set[str], *, batch: int, heads: int, head_dim: int,
+                 dtype16: torch.dtype, zone_c: bool) -> None:
+    """The tensors every segment layout shares, after its own ``names``: the optional RoPE table, zone C and the
+    fold queries (``zone_c``: a layer, not a fold), then no tensor beyond these."""
+    B, H, D = batch, heads, head_dim
+    tensor = tensor_checker(t)
+    names = set(names)
+    if "rope" in t:
+        tensor("rope", torch.float32, (rope.rope_bytes(D) // 4,))
+        names.add("rope")
+    if zone_c:
+        nc = t["kc"].shape[2] if isinstance(t.get("kc"), torch.Tensor) and t["kc"].dim() == 4 else 0
+        tensor("kc", dtype16, (B, H, nc, D))
+        tensor("vc", dtype16, (B, H, nc, D))
+        names |= {"kc", "vc"}
+        if "qwin" in t:
+            q = t["qwin"]
+            if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] % H:
+                raise RDKVError("tensor 'qwin': expected [batch, query heads, window, head_dim]")
+            tensor("qwin", dtype16, (B, q.shape[1], q.shape[2], D))
+            names.add("qwin")
+    extra = sorted(set(t) - names)
+    if extra:
+        raise RDKVError(f"unexpected tensors {extra}")
+
+
+def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
+                 spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
+    """Raise :class:`RDKVError` naming the first field of a packed segment that is not what :func:`pack_layer` makes:
+    scalars in range, the spec legal for ``head_dim``, exactly the tensors the counts imply with their dtypes and
+    shapes, counts non-negative and within the positions held, positions in range and distinct per stream and in
+    the packer's order, each permutation a permutation, widths legal and sorted, and finite 16-bit values, scales
+    and zeros. Every size is checked against a tensor before anything is sized by it, so a segment from an
+    untrusted file can make no decode path read out of bounds or allocate beyond its tensors."""
+    B, H, D = check_scalars(batch=batch, heads=heads, head_dim=head_dim, start=start, prefix_len=prefix_len, spec=spec,
+                            sliding_window=sliding_window, dtype16=dtype16)
+    S, kb, L = B * H, spec.k_block, prefix_len - start
+    tensor = tensor_checker(t)
     counts = tensor("v_counts", torch.int32, (S, len(V_CLASSES))).long()
     if (counts < 0).any():
         raise RDKVError("v_counts holds a negative count")
@@ -212,24 +259,7 @@ def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim
             tensor(f"k{w}.scale", quant.META_DTYPE, (groups, kb))
             tensor(f"k{w}.zero", quant.META_DTYPE, (groups, kb))
             names |= {f"k{w}.codes", f"k{w}.scale", f"k{w}.zero"}
-    if "rope" in t:
-        tensor("rope", torch.float32, (rope.rope_bytes(D) // 4,))
-        names.add("rope")
-    if zone_c:
-        nc = t["kc"].shape[2] if isinstance(t.get("kc"), torch.Tensor) and t["kc"].dim() == 4 else 0
-        tensor("kc", dtype16, (B, H, nc, D))
-        tensor("vc", dtype16, (B, H, nc, D))
-        names |= {"kc", "vc"}
-        if "qwin" in t:
-            q = t["qwin"]
-            if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[1] % H:
-                raise RDKVError("tensor 'qwin': expected [batch, query heads, window, head_dim]")
-            tensor("qwin", dtype16, (B, q.shape[1], q.shape[2], D))
-            names.add("qwin")
-    extra = sorted(set(t) - names)
-    if extra:
-        raise RDKVError(f"unexpected tensors {extra}")
-
+    check_extras(t, names, batch=B, heads=H, head_dim=D, dtype16=dtype16, zone_c=zone_c)
 
 
 # --- offsets: derived once per segment -------------------------------------------------------------------

@@ -25,15 +25,24 @@ import torch
 
 from . import quant, rope
 from .errors import RDKVError
-from .layout import (_COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, derived, pos_bytes, pos_dtype,
-                     quantize_pack, rope_table, storage_order)
+from .layout import (COMPONENTS, _COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, check_extras,
+                     check_scalars, component, derived, pos_bytes, pos_dtype, quantize_pack, rope_table, storage_order,
+                     tensor_checker)
 
 K_WIDTHS = (2, 4, 8, 16)  # the K sections of a page, in order
 
 
-def page_tokens(head_dim: int) -> int:
-    """Tokens per page: one decode tile (64 up to head_dim 128, 32 at 256)."""
-    return 64 if head_dim <= 128 else 32
+def page_tokens(head_dim: int, spec: PackSpec, held: int) -> int:
+    """Tokens per page, a power of two from 16 to 64: one decode tile (64 up to head_dim 128, 32 past it), at most
+    ``spec.k_group`` (a page is one K scale group) and at most a 64th of the ``held`` positions, so that short
+    segments (short prompts, sliding windows, folds) do not spend their bytes on partly filled pages."""
+    cap = min(64 if head_dim <= 128 else 32, spec.k_group, max(16, held // 64))
+    return 1 << (cap.bit_length() - 1)
+
+
+def segment_page(seg) -> int:
+    """:func:`page_tokens` of a segment (a :class:`rdkv.trizone.TriZoneLayer`)."""
+    return page_tokens(seg.head_dim, seg.spec, seg.prefix_len - seg.start)
 
 
 def v_bytes(width: int, head_dim: int, spec: PackSpec, page: int) -> tuple[int, int]:
@@ -149,7 +158,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
     and K widths per block [S, D/k_block] of the channel order [S, D] (the arguments of :func:`rdkv.layout.pack`)."""
     S, T, D = k.shape
     dev, kb = k.device, spec.k_block
-    P = page or page_tokens(D)
+    P = page or page_tokens(D, spec, T)
     if P % 8:
         raise RDKVError(f"a page holds a multiple of 8 tokens (16-byte sections), got {P}")
     perm, bits, counts, t_flat, _ = storage_order(v_width, bits, perm, kb)
@@ -210,7 +219,7 @@ def sized(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor, spec: P
     sizing a segment or compiling a launch over it needs, without packing (or holding) any K/V."""
     D = perm.shape[1]
     perm, bits, counts, _, _ = storage_order(v_width, bits, perm, spec.k_block)
-    p = PagePlan.build(counts, bits, spec, D, pos_len, page or page_tokens(D))
+    p = PagePlan.build(counts, bits, spec, D, pos_len, page or page_tokens(D, spec, v_width.shape[1]))
     k_mean = torch.empty(int(p.chans[:, 0].sum()), dtype=quant.META_DTYPE, device=perm.device)
     return _tensors(counts, perm, bits, k_mean, torch.empty(p.total, dtype=torch.uint8, device=perm.device))
 
@@ -239,24 +248,67 @@ def paged(seg) -> bool:
 
 def segment_plan(seg) -> PagePlan:
     """A paged segment's plan, built once and kept beside it (:func:`rdkv.layout.derived`)."""
-    return derived(seg, "page plan", lambda: plan(seg.t, seg.spec, seg.head_dim, seg.prefix_len,
-                                                  page_tokens(seg.head_dim)))
+    return derived(seg, "page plan", lambda: plan(seg.t, seg.spec, seg.head_dim, seg.prefix_len, segment_page(seg)))
+
+
+def component_bytes(seg) -> dict[str, int]:
+    """Bytes a paged segment holds per accounting bucket (:data:`rdkv.layout.COMPONENTS`), each page's sections
+    charged at their full size (a partly filled page's empty slots to the section they are in): K and V codes,
+    scales, zeros (and the width-0 channel means), 16-bit K and V rows, indices (class counts, permutation, block
+    widths, positions, RoPE table) and zone C."""
+    p = segment_plan(seg)
+    out = dict.fromkeys(COMPONENTS, 0)
+    for name, x in seg.t.items():
+        if name != _PAGES:
+            out["zeros" if name == _K_MEAN else component(name)] += x.numel() * x.element_size()
+    packed = p.chans[:, 1:4].sum(1)  # per stream
+    k_codes = p.k_off[:, 3]  # the sections of widths 2, 4, 8 come first
+    for c, w in enumerate(V_CLASSES):
+        n = p.pages[:, c]
+        rb, sb = v_bytes(w, seg.head_dim, seg.spec, p.page)
+        out["codes"] += int((n * (k_codes + (rb if w < 16 else 0))).sum())
+        out["fp16 rows"] += int((n * ((p.k_meta - k_codes) + (rb if w == 16 else 0))).sum())
+        out["scales"] += int((n * (2 * packed + sb)).sum())
+        out["zeros"] += int((n * (2 * packed + sb)).sum())
+        out["indices"] += int(n.sum()) * p.page * pos_bytes(seg.prefix_len)
+    return out
+
+
+def zone_bytes(layer) -> tuple[int, int, int]:
+    """Bytes of a paged layer's zone A (everything but the next two), zone B (the V sections of its class-16
+    pages) and zone C, as :func:`rdkv.layout.zone_bytes` splits a packed one."""
+    p = segment_plan(layer)
+    zb = int(p.pages[:, 3].sum()) * v_bytes(16, layer.head_dim, layer.spec, p.page)[0]
+    zc = sum(x.numel() * x.element_size() for name, x in layer.t.items() if component(name) == "zone C")
+    return sum(x.numel() * x.element_size() for x in layer.t.values()) - zb - zc, zb, zc
 
 
 def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`dequantize` of a paged segment, keys packed before RoPE rotated to their positions (as
     :func:`rdkv.layout.dequantize`)."""
-    K, V, pos, valid = dequantize(seg.t, seg.spec, seg.head_dim, seg.prefix_len, page_tokens(seg.head_dim), seg.dtype16)
+    K, V, pos, valid = dequantize(seg.t, seg.spec, seg.head_dim, seg.prefix_len, segment_page(seg),
+                                   seg.dtype16)
     table = rope_table(seg)
     return (K if table is None else rope.rotate(K, pos, table)), V, pos, valid
+
+
+def _positions(buf: torch.Tensor, p: PagePlan, at: _Slots, head_dim: int, spec: PackSpec,
+               pos_len: int) -> torch.Tensor:
+    return _get(buf, _pos_addresses(p, at, head_dim, spec, pos_len), pos_dtype(pos_len)).long()
+
+
+def positions(seg) -> torch.Tensor:
+    """The absolute position of every token a paged segment kept [N] (int64), stream by stream, each stream's by V
+    class then position."""
+    p = segment_plan(seg)
+    return _positions(buffer(seg), p, _Slots(p), seg.head_dim, seg.spec, seg.prefix_len)
 
 
 def v_widths(seg) -> torch.Tensor:
     """V width of every held position of a paged segment [B, H, prefix_len - start] (0 = evicted), as
     :func:`rdkv.layout.v_widths` of a packed one."""
-    D, p = seg.head_dim, segment_plan(seg)
-    at = _Slots(p)
-    pos = _get(buffer(seg), _pos_addresses(p, at, D, seg.spec, seg.prefix_len), pos_dtype(seg.prefix_len)).long()
+    at = _Slots(segment_plan(seg))
+    pos = positions(seg)
     out = torch.zeros(seg.batch * seg.heads, seg.prefix_len - seg.start, dtype=torch.long, device=pos.device)
     out[at.s, pos - seg.start] = torch.tensor(V_CLASSES, device=pos.device)[at.cls]
     return out.view(seg.batch, seg.heads, -1)
@@ -273,7 +325,7 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
     K = torch.zeros(S, nmax, D, device=dev)
     V = torch.zeros(S, nmax, D, device=dev)
     pos = torch.zeros(S, nmax, dtype=torch.long, device=dev)
-    pos[at.s, at.index] = _get(buf, _pos_addresses(p, at, D, spec, pos_len), pos_dtype(pos_len)).long()
+    pos[at.s, at.index] = _positions(buf, p, at, D, spec, pos_len)
     for c, w in enumerate(V_CLASSES):
         sel = at.cls == c
         code_at, scale_at = _v_addresses(p, at, D, spec, w, sel)
@@ -289,7 +341,7 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
         V[at.s[sel], at.index[sel]] = rows
     width, code_at, shift, meta_at = _k_addresses(p, at, D, spec.k_block)
     packed = (width > 0) & (width < 16)
-    code = ((buf[code_at].int() >> shift) & ((1 << width.clamp(1, 8)) - 1)).float()
+    code = ((buf[torch.where(packed, code_at, 0)].int() >> shift) & ((1 << width.clamp(1, 8)) - 1)).float()
     cp = p.chans[at.s, 1:4].sum(1, keepdim=True)
     safe = torch.where(packed, meta_at, 0)
     kq = code * _get(buf, safe, quant.META_DTYPE).float() + _get(buf, safe + 2 * cp, quant.META_DTYPE).float()
@@ -304,3 +356,76 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
     K.scatter_(2, t[_K_PERM].long().unsqueeze(1).expand(S, nmax, D), Kp)
     valid = torch.arange(nmax, device=dev) < p.counts.sum(1).unsqueeze(1)
     return K, V, pos, valid
+
+
+def _pages16(p: PagePlan, head_dim: int, spec: PackSpec, dtype16: torch.dtype) -> dict[torch.dtype, torch.Tensor]:
+    """Which of a segment's pages' 16-bit values (masks over the pages as [total / 2] 16-bit words) are of each
+    dtype: K and V scales and zeros (fp16), K and V 16-bit rows (``dtype16``), the empty slots of partly filled
+    pages included. Every section starts on a 16-byte boundary, so each is whole 16-bit words."""
+    sc, k = _segments(p.pages.flatten())  # every page: its (stream, class) and its index in the class
+    s, c = torch.div(sc, 4, rounding_mode="floor"), sc % 4
+    base = p.class_base.flatten()[sc] + k * p.page_size.flatten()[sc]
+    vb = torch.tensor([v_bytes(w, head_dim, spec, p.page) for w in V_CLASSES], device=base.device)[c]
+    rows, meta = vb[:, 0], 2 * vb[:, 1]  # V codes (16-bit rows in class 16), then scales and zeros (none there)
+    v0, wide = base + p.v_off[s], c == V_CLASSES.index(16)
+    spans = [(quant.META_DTYPE, base + p.k_meta[s], v0),  # K scales and zeros
+             (quant.META_DTYPE, v0 + rows, v0 + rows + meta),  # V scales and zeros
+             (dtype16, base + p.k_off[s, K_WIDTHS.index(16)], base + p.k_meta[s]),  # K 16-bit rows
+             (dtype16, v0, v0 + torch.where(wide, rows, 0))]  # V 16-bit rows
+    edges: dict[torch.dtype, torch.Tensor] = {}
+    for dtype, lo, hi in spans:
+        e = edges.setdefault(dtype, torch.zeros(p.total // 2 + 1, dtype=torch.int32, device=base.device))
+        e.index_add_(0, torch.div(lo, 2, rounding_mode="floor"), torch.ones_like(lo, dtype=torch.int32))
+        e.index_add_(0, torch.div(hi, 2, rounding_mode="floor"), torch.full_like(hi, -1, dtype=torch.int32))
+    return {dtype: e.cumsum(0)[:-1] > 0 for dtype, e in edges.items()}
+
+
+def check_pages(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
+                spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
+    """Raise :class:`RDKVError` naming the first field of a paged segment that is not what :func:`pack` makes, as
+    :func:`rdkv.layout.check_layout` does for the packed layout: scalars in range and the spec legal, exactly the
+    tensors ``v_counts``, ``k_perm``, ``k_bits``, ``k_mean`` and ``pages`` (with the optional ``rope`` and, for a
+    layer, zone C and ``qwin``) with their dtypes and shapes, counts non-negative and within the positions held,
+    each permutation a permutation, K widths legal and sorted, the positions in the pages in range, increasing
+    within each (stream, V class) and distinct per stream, and every 16-bit value finite: ``k_mean`` and every
+    fp16/bf16 value the pages hold (K and V scales and zeros, K and V 16-bit rows), the empty slots of partly
+    filled pages included (the page kernel loads them and weighs them by zero, and zero times Inf is NaN).
+
+    Each size is checked against a tensor before anything is sized by it (counts and widths, then the plan they
+    give, then ``pages`` against the plan's total and only then the per-token addresses, which lie inside it), so
+    a segment from an untrusted file (:func:`rdkv.load`) can make no decode path read out of bounds or allocate
+    beyond its tensors. The bytes of empty slots are otherwise unchecked: no path reads a position or code there."""
+    B, H, D = check_scalars(batch=batch, heads=heads, head_dim=head_dim, start=start, prefix_len=prefix_len, spec=spec,
+                            sliding_window=sliding_window, dtype16=dtype16)
+    S, kb, L = B * H, spec.k_block, prefix_len - start
+    tensor = tensor_checker(t)
+    counts = tensor(_COUNTS, torch.int32, (S, len(V_CLASSES))).long()
+    if (counts < 0).any():
+        raise RDKVError(f"{_COUNTS} holds a negative count")
+    if (counts.sum(1) > L).any():
+        raise RDKVError(f"{_COUNTS} keeps more tokens in a stream than the {L} positions it held")
+    perm = tensor(_K_PERM, torch.uint8 if D <= 256 else torch.int16, (S, D)).long()
+    if not torch.equal(perm.sort(1).values, torch.arange(D, device=perm.device).expand(S, D)):
+        raise RDKVError(f"{_K_PERM} is not a permutation of the channels in every stream")
+    bits = tensor(_K_BITS, torch.uint8, (S, D // kb)).long()
+    if not torch.isin(bits, torch.tensor(quant.WIDTHS, device=bits.device)).all() or (bits[:, 1:] < bits[:, :-1]).any():
+        raise RDKVError(f"{_K_BITS} must hold widths in {quant.WIDTHS}, sorted along each stream")
+    p = PagePlan.build(counts, bits, spec, D, prefix_len, page_tokens(D, spec, L))
+    buf = tensor(_PAGES, torch.uint8, (p.total,))
+    tensor(_K_MEAN, quant.META_DTYPE, (int(p.chans[:, 0].sum()),))
+    at = _Slots(p)  # one entry per kept token: at most one per position byte of the pages just checked
+    pos = _positions(buf, p, at, D, spec, prefix_len)
+    if len(pos) and ((pos < start).any() or (pos >= prefix_len).any()):
+        raise RDKVError(f"{_PAGES} holds a position outside [{start}, {prefix_len})")
+    same_run = (at.s[1:] == at.s[:-1]) & (at.cls[1:] == at.cls[:-1])
+    if (same_run & (pos[1:] <= pos[:-1])).any():
+        raise RDKVError(f"the positions in {_PAGES} do not increase within a stream's V class (the packer's order)")
+    if torch.unique(at.s * (L + 1) + pos - start).numel() != len(pos):
+        raise RDKVError(f"{_PAGES} holds a position twice in one stream")
+    if p.total:
+        values = buf.view(torch.int16)
+        for dtype, inside in _pages16(p, D, spec, dtype16).items():
+            if not torch.isfinite(values[inside].view(dtype)).all():
+                raise RDKVError(f"{_PAGES} holds a NaN or Inf {dtype} value (a K or V 16-bit row, scale or zero)")
+    check_extras(t, {_COUNTS, _K_PERM, _K_BITS, _K_MEAN, _PAGES}, batch=B, heads=H, head_dim=D, dtype16=dtype16,
+                 zone_c=zone_c)

@@ -98,7 +98,7 @@ class TriZoneLayer(CacheLayerMixin):
     @property
     def kept(self) -> torch.Tensor:
         """Tokens kept per stream [S]."""
-        return layout.plan(self).n
+        return layout.counts(self).sum(1)
 
     def v_widths(self) -> torch.Tensor:
         """V width of every held prefix position [B, H, prefix_len - start] (0 = evicted)."""
@@ -132,13 +132,15 @@ def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tens
     return layer
 
 
-def to_pages(seg: TriZoneLayer) -> TriZoneLayer:
-    """A packed layer in pages (:mod:`rdkv.pages`) at the same allocation (V classes, K block widths, channel
-    order), zone C shared: its dequantized values packed again (V to the same codes, which lie on their own grid;
-    K requantized per page, one more rounding; keys stored before RoPE are stored rotated). Compares the two layouts
-    on one cache until compress writes pages itself; a layer with folds is refused."""
-    if seg.folds or pages.paged(seg):
-        raise RDKVError("to_pages converts a packed layer without folds")
+def repack(seg: TriZoneLayer, paged: bool) -> TriZoneLayer:
+    """A layer in pages (:mod:`rdkv.pages`, ``paged``) or in the packed layout at its allocation (V classes, K block
+    widths, channel order), zone C shared: its dequantized values packed again (V to the same codes, which lie on
+    their own grid; K requantized per scale group, one more rounding; keys stored before RoPE are stored rotated).
+    Compares the two layouts on one cache; a layer with folds, or already in that layout, is refused."""
+    if seg.folds:
+        raise RDKVError("repack converts a layer without folds")
+    if pages.paged(seg) == paged:
+        raise RDKVError(f"the layer is already {'in pages' if paged else 'in the packed layout'}")
     B, H, D, T = seg.batch, seg.heads, seg.head_dim, seg.prefix_len - seg.start
     K, V, pos, valid = seg.dequantize()
     s, i = valid.nonzero(as_tuple=True)
@@ -146,7 +148,7 @@ def to_pages(seg: TriZoneLayer) -> TriZoneLayer:
     k[s, pos[s, i] - seg.start], v[s, pos[s, i] - seg.start] = K[s, i], V[s, i]
     out = pack_layer(k.view(B, H, T, D), v.view(B, H, T, D), seg.start, seg.v_widths(),
                      layout.k_bits(seg).view(B, H, -1), layout.k_perm(seg).long().view(B, H, D), seg.spec,
-                     seg.dtype16, seg.sliding_window, seg.prefix_len, paged=True)
+                     seg.dtype16, seg.sliding_window, seg.prefix_len, paged=paged)
     layout.set_zone_c(out, *layout.zone_c(seg))
     return out
 
@@ -155,9 +157,10 @@ def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tenso
                 perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
                 prefix_len: int) -> TriZoneLayer:
     """Pack an allocation given as option indices into ``quant.WIDTHS`` (V per token [B, H, T], K per
-    block [B, H, nb] in the channel order ``perm`` [B, H, D])."""
+    block [B, H, nb] in the channel order ``perm`` [B, H, D]) in pages."""
     widths = torch.tensor(quant.WIDTHS, device=k.device)
-    return pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, dtype16, sliding_window, prefix_len)
+    return pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, dtype16, sliding_window, prefix_len,
+                      paged=True)
 
 
 SIGNATURE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",

@@ -9,9 +9,12 @@ K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
 number of tokens, so phase 1's V choice leaves room for it. Phase 3 spends what is still left on V
-upgrades, with those K widths fixed and each newly kept token charged its K row too.
+upgrades, with those K widths fixed and each newly kept token charged its K row too. Last, each stream's
+V classes are made whole pages (:func:`fit_pages`), so what the solver charged is what the cache holds.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,7 +22,54 @@ from .mckp import Infeasible, cost, fill_slack, lagrangian
 
 
 def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes."""
+    """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes, in whole pages.
+
+    The linear solver's choice is rounded to whole pages (:func:`fit_pages`), which may leave bytes unspent or
+    force tokens down a class. So the solver also runs with what rounding left unspent added, and with 2% and 5%
+    less (a choice with a few more tokens at lower widths may round with fewer evicted), and the rounded choice
+    of least modelled distortion (V and K) is kept. Where every one evicts a protected token (a stream whose last
+    page cannot be filled, with no byte left to leave it partly filled), the solver runs with less until one does
+    not (bisecting down to the least it can allocate, up to 8 times)."""
+    fixed = sum(t.fixed for t in tables)
+    best = None
+
+    def attempt(target: float) -> float | None:
+        """Solve for ``target``, round, keep the better; the bytes left unspent (None: nothing fits)."""
+        nonlocal best
+        try:
+            dv, v_opt, k_opt = _solve_linear(tables, b, target, passes)
+        except Infeasible:
+            if best is None and target >= budget:
+                raise
+            return None
+        fit = fit_pages(tables, b, budget, dv, v_opt, k_opt)
+        if fit is None:
+            return None
+        dist = fit[2] + sum(float(t.dk[b].gather(-1, k.unsqueeze(-1)).sum()) for t, k in zip(tables, k_opt))
+        rank = (True, -dist) if math.isfinite(dist) else (False, fit[1])
+        if best is None or rank > best[0]:
+            best = (rank, fit[0], k_opt)
+        return budget - fit[1]
+
+    slack = attempt(budget)
+    if slack and slack >= min(t.rv[-1].item() for t in tables):  # at least one 16-bit V row left
+        attempt(budget + slack)
+    for less in (0.02, 0.05):
+        attempt(budget - less * (budget - fixed))
+    lo, hi = fixed, budget - 0.05 * (budget - fixed)
+    for _ in range(8):
+        if best[0][0]:
+            break
+        target = (lo + hi) / 2
+        if attempt(target) is None:
+            lo = target
+        else:
+            hi = target
+    return best[1], best[2]
+
+
+def _solve_linear(tables: list, b: int, budget: float, passes: int) -> tuple[list, list, list]:
+    """Phases 1-3 at linear prices: the final V distortion tables (flat over present tokens) and the widths."""
     fixed = sum(t.fixed for t in tables)
     budget -= fixed
     dev = tables[0].dv.device
@@ -49,7 +99,7 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
     rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
     k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
-    return _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
+    return dv, _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
 
 
 def _eviction_of(tokens: torch.Tensor, options: int) -> torch.Tensor:
@@ -126,3 +176,91 @@ def allocate(tables: list, budgets: list[float], scope: str = "global",
     v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
     k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]
     return v, k
+
+
+def _top(score: torch.Tensor, need: torch.Tensor, most: int) -> torch.Tensor:
+    """[H, T] mask of the ``need[h]`` (< ``most``) highest finite scores of each row (fewer where fewer are finite)."""
+    val, idx = score.topk(min(most, score.shape[-1]), -1)
+    pick = (torch.arange(val.shape[-1], device=score.device) < need.unsqueeze(-1)) & (val > -math.inf)
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, idx, pick)
+
+
+def _round_class(opt: torch.Tensor, dv: torch.Tensor, present: torch.Tensor, page: int, c: int,
+                 up: torch.Tensor) -> torch.Tensor:
+    """Option indices [H, T] with V option ``c`` a whole number of pages: in the streams ``up`` [H], its last page
+    filled with the tokens below it that gain the most (evicted ones included; too few leave it partly filled),
+    in the others the last page's tokens that lose the least dropped one option (from 2 bits: evicted; protected
+    tokens last, at an infinite distortion)."""
+    r = (opt == c).sum(-1) % page
+    gain = dv.gather(-1, opt.unsqueeze(-1)).squeeze(-1) - dv[..., c]  # distortion saved by moving up to c
+    gain = gain.masked_fill(~present | (opt >= c) | gain.isnan(), -math.inf)
+    lose = dv[..., c] - dv[..., c - 1]  # minus the distortion added by dropping from c
+    lose = lose.nan_to_num(-math.inf, neginf=-torch.finfo(lose.dtype).max).masked_fill(opt != c, -math.inf)
+    pick = _top(torch.where(up.unsqueeze(-1), gain, lose), torch.where(up, (page - r) % page, r), page)
+    return torch.where(pick, torch.where(up, c, c - 1).unsqueeze(-1), opt)
+
+
+def _round_pages(opt: torch.Tensor, dv: torch.Tensor, present: torch.Tensor, page: int,
+                 ways: torch.Tensor) -> torch.Tensor:
+    """:func:`_round_class` for every V class, 16 bits first; bit ``c - 1`` of ``ways`` [H] sends option c up."""
+    for c in range(dv.shape[-1] - 1, 0, -1):
+        opt = _round_class(opt, dv, present, page, c, (ways >> (c - 1)) & 1 == 1)
+    return opt
+
+
+def page_bytes(t, opt: torch.Tensor, k_opt: torch.Tensor) -> torch.Tensor:
+    """Bytes each stream of one sequence's layer holds [H] (float64) for V options [H, T] and K options [H, nb]:
+    every started page of each V class at its full size (its slots' V rows and positions, its K codes, one K scale
+    and zero per packed channel), plus the width-0 channel means; the layer's ``fixed`` bytes not included."""
+    n = torch.stack([(opt == c).sum(-1) for c in range(1, len(t.rv))], -1)  # [H, 4]
+    P = t.page
+    at = t.rk(torch.tensor([0.0, float(P)], device=k_opt.device))  # [2, 5]: a block's bytes at 0 and P tokens
+    k_fixed = at[0][k_opt].sum(-1)
+    k_page = (at[1] - at[0])[k_opt].sum(-1)
+    return k_fixed + (torch.ceil(n / P) * (P * t.rv[1:].to(k_opt.device) + k_page.unsqueeze(-1))).sum(-1)
+
+
+PROTECTED = 1e30  # the distortion of a rounding that evicts a protected token, in the knapsack over roundings
+
+
+def fit_pages(tables: list, b: int, budget: float, dv: list, v_opt: list,
+              k_opt: list) -> tuple[list[torch.Tensor], float, float] | None:
+    """Round sequence ``b``'s V choice to whole pages within ``budget`` bytes (all of them, fixed included): the
+    options per layer, the bytes they take and their V distortion (infinite where a protected token is evicted),
+    or None where no rounding fits (a choice made for a larger budget).
+
+    The solver prices a token's slot and a page's K scales linearly (:meth:`LayerTables.rk` at one group per page),
+    which a stored page matches only when it is full. Each stream rounds each of its four V classes up (filling
+    the page the solver started from below) or down (its last page's tokens drop a class): of the 16 ways, a
+    multiple-choice knapsack over every stream picks one per stream for the least distortion that fits. Rounding
+    every class down only lowers widths, so the solver's own choice always has a way that fits."""
+    ways = torch.arange(16)
+    rows, units = [], []  # per layer: distortion and bytes of each way [H, 16]
+    for t, d, opt, kw in zip(tables, dv, v_opt, k_opt):
+        present = t.present[b]
+        full = torch.full((*present.shape, d.shape[-1]), math.inf, dtype=d.dtype, device=d.device)
+        full[present] = d
+        dist, cost = [], []
+        for w in ways.tolist():
+            o = _round_pages(opt, full, present, t.page, torch.full(present.shape[:1], w, device=opt.device))
+            dist.append(full.gather(-1, o.unsqueeze(-1)).squeeze(-1).masked_fill(~present, 0).sum(-1))
+            cost.append(page_bytes(t, o, kw))
+        dist = torch.stack(dist, 1).double()
+        rows.append((dist.masked_fill(dist.isnan(), math.inf), torch.stack(cost, 1)))
+        units.append((opt, full, present, t.page))
+    fixed = sum(t.fixed for t in tables)
+    try:
+        dist = torch.cat([r[0] for r in rows]).cpu()
+        # evicting a protected token is allowed here, at a price above any other way's
+        choice = lagrangian(dist.clamp(max=PROTECTED), torch.cat([r[1] for r in rows]).cpu(), budget - fixed, swap=False)
+    except Infeasible:
+        return None
+    out, spent, dist, i = [], fixed, 0.0, 0
+    for (opt, full, present, page), (d, cost) in zip(units, rows):
+        H = opt.shape[0]
+        w = choice[i:i + H]
+        spent += float(cost.cpu().gather(1, w.unsqueeze(1)).sum())
+        dist += float(d.cpu().gather(1, w.unsqueeze(1)).sum())
+        out.append(_round_pages(opt, full, present, page, w.to(opt.device)))
+        i += H
+    return out, spent, dist

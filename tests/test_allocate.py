@@ -5,7 +5,7 @@ import torch
 from conftest import SMALL
 from rdkv.dense import AttentionSums
 from rdkv.distortion import layer_tables
-from rdkv.solvers.allocate import allocate
+from rdkv.solvers.allocate import allocate, page_bytes
 from rdkv.layout import PackSpec
 
 SPEC = PackSpec(**SMALL)
@@ -25,19 +25,20 @@ def peaked_layer(seed: int = 0):
 
 
 def spent(t, v_opt: torch.Tensor, k_opt: torch.Tensor) -> float:
-    """Bytes the packed layer holds for these options (without the fixed part)."""
-    n = (v_opt[0] > 0).sum(-1)
-    return float(t.rv[v_opt[0]].sum() + t.rk(n).gather(1, k_opt[0]).sum())
+    """Bytes the layer holds in pages for these options (without the fixed part)."""
+    return float(page_bytes(t, v_opt[0], k_opt[0]).sum())
 
 
 @pytest.mark.parametrize("frac", [0.05, 0.1, 0.25])
 def test_peaked_weights_spend_the_budget(frac):
     # Before phase 3 (V re-solved with K fixed), the passes swung between few and many kept tokens and the
     # last V choice left bytes K could not use: this layer spent 97/49/16% of the budget at 5/10/25%
-    # (SmolLM2's query-aware 2k probe at 10%: 0.066 of fp16 instead of 0.1). Now 99.2/99.99/99.98%.
+    # (SmolLM2's query-aware 2k probe at 10%: 0.066 of fp16 instead of 0.1). Then 99.2/99.99/99.98%, in whole pages
+    # 99.6/98.6/96.8% (measured 2026-12-05).
     t = peaked_layer()
     budget = frac * H * T * 4 * D
     v, k = allocate([t], [budget + t.fixed], "layer", passes=3)
     got = spent(t, v[0], k[0])
     assert got <= budget
-    assert got >= 0.97 * budget
+    # to within whole pages: with two streams one 16-token page at 16 bits is 6% of the budget at 25% (96.8% spent)
+    assert got >= 0.95 * budget

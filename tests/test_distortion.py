@@ -256,11 +256,11 @@ def test_horizon_moves_bits_to_the_tokens_a_sliding_layer_keeps_longest():
     layer (every token stays visible) is allocated exactly as without it. A bad value is refused."""
     from conftest import tiny_gemma3
 
-    model = tiny_gemma3(2)
-    rec, _ = recorded(model, torch.randint(0, 96, (1, 60)), window=16)
-    plain = rdkv.compress(rec, 0.3, method="rdkv", **SMALL)  # (auto would pick rdkv-hybrid, horizon 512)
-    long = rdkv.compress(rec, 0.3, method="rdkv", horizon=16, **SMALL)
-    assert long.nbytes <= 0.3 * long.fp16_bytes
+    model = tiny_gemma3(2, window=128)  # sliding layers of 8 pages of 16 tokens
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 300)), window=16)
+    plain = rdkv.compress(rec, 0.4, method="rdkv", **SMALL)  # (auto would pick rdkv-hybrid, horizon 512)
+    long = rdkv.compress(rec, 0.4, method="rdkv", horizon=128, **SMALL)
+    assert long.nbytes <= 0.4 * long.fp16_bytes
     for kind, a, b in zip(model.config.layer_types, plain.layers, long.layers):
         va, vb = a.v_widths().float(), b.v_widths().float()
         if kind == "full_attention":

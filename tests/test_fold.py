@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rdkv import layout
+from rdkv import layout, pages
 
 import rdkv
 from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
@@ -24,7 +24,7 @@ def fp16_bytes(layer, tokens: int) -> int:
 def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy(fold):
     """At budget 1.0 every width is (nearly) lossless, so folded or not, logits track the full cache."""
     model = tiny_llama(6)
-    rec, full = prefill(model, 50)
+    rec, full = prefill(model, 48)  # 3 pages of 16 tokens
     cache = rdkv.compress(rec, 1.0, fold=fold, **SMALL)
     toks = torch.randint(0, 96, (1, 2000), generator=torch.Generator().manual_seed(0))
     done = 0
@@ -34,7 +34,7 @@ def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy
             want = model(toks[:, done : step + 1], past_key_values=full).logits[:, -1:]
             done = step + 1
             torch.testing.assert_close(got, want, rtol=0, atol=5e-3)
-    assert cache.get_seq_length() == full.get_seq_length() == 2050
+    assert cache.get_seq_length() == full.get_seq_length() == 2048
     for layer in cache.layers:
         n_c = layout.zone_c(layer)[0].shape[2]
         if fold is None:
@@ -42,11 +42,11 @@ def test_two_thousand_decode_steps_keep_length_positions_masks_and_memory_policy
             continue
         assert n_c < 64 + 32 and len(layer.folds) == (2000 - 32) // 64
         spans = [(f.start, f.prefix_len) for f in layer.folds]
-        assert spans == [(50 + 64 * j, 114 + 64 * j) for j in range(len(spans))]  # contiguous, in order
-        assert layer.c_start == spans[-1][1] and layer.c_start + n_c == 2050
+        assert spans == [(48 + 64 * j, 112 + 64 * j) for j in range(len(spans))]  # contiguous, in order
+        assert layer.c_start == spans[-1][1] and layer.c_start + n_c == 2048
         for f in layer.folds:  # each fold holds at most the budget fraction of its tokens' fp16 bytes
             assert f.nbytes <= fp16_bytes(layer, 64)
-            assert sorted(layout.positions(f).long().unique().tolist()) == list(range(f.start, f.prefix_len))
+            assert sorted(pages.positions(f).unique().tolist()) == list(range(f.start, f.prefix_len))
 
 
 def test_fold_at_a_low_budget_charges_each_fold_its_fraction():

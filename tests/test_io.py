@@ -4,19 +4,26 @@ import os
 import pytest
 import torch
 
-from rdkv import layout
+from rdkv import layout, pages
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import rdkv
 from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.io import load, save
+from rdkv.trizone import TriZoneCache, pack_layer, repack
 
 
-def compressed(model, ids, budget=0.3, decode=3):
-    """record a prefill, compress it, then decode ``decode`` tokens so zone C is not empty."""
+def in_pages(cache: TriZoneCache) -> TriZoneCache:
+    """``cache`` with every layer in pages, whichever layout compress wrote (files hold pages only)."""
+    cache.layers[:] = [layer if pages.paged(layer) else repack(layer, paged=True) for layer in cache.layers]
+    return cache
+
+
+def compressed(model, ids, budget=0.3, decode=3, **options):
+    """record a prefill, compress it in pages, then decode ``decode`` tokens so zone C is not empty."""
     rec, _ = recorded(model, ids)
-    cache = rdkv.compress(rec, budget, **SMALL)
+    cache = in_pages(rdkv.compress(rec, budget, **{**SMALL, **options}))
     for _ in range(decode):
         model(torch.randint(0, 96, (ids.shape[0], 1)), past_key_values=cache)
     return cache
@@ -99,10 +106,10 @@ def test_same_prefill_gives_byte_identical_files(tmp_path):
     ids = torch.randint(0, 96, (1, 90))
     model = tiny_llama()
     rec, _ = recorded(model, ids)
-    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "a")
-    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "b")
+    save(in_pages(rdkv.compress(rec, 0.3, **SMALL)), tmp_path / "a")
+    save(in_pages(rdkv.compress(rec, 0.3, **SMALL)), tmp_path / "b")
     other, _ = recorded(tiny_llama(), ids)  # a fresh model and a fresh prefill of the same tokens
-    save(rdkv.compress(other, 0.3, **SMALL), tmp_path / "c")
+    save(in_pages(rdkv.compress(other, 0.3, **SMALL)), tmp_path / "c")
     data = [(tmp_path / n).read_bytes() for n in "abc"]
     assert data[0] == data[1] == data[2]
 
@@ -129,13 +136,84 @@ def test_edited_metadata_fails_the_checksum(saved):
         load(saved)
 
 
-@pytest.mark.parametrize("version, msg", [("5", "newer rdkv: upgrade"), ("2", "older rdkv"), ("1", "older rdkv"),
-                                          ("0", "version is unknown"),
+@pytest.mark.parametrize("version, msg", [("6", "newer rdkv: upgrade"), ("3", "older rdkv"), ("2", "older rdkv"),
+                                          ("1", "older rdkv"), ("0", "version is unknown"),
                                           ("x", "version is unknown")])
 def test_other_format_versions_are_refused(saved, version, msg):
     rewrite(saved, format_version=version)
     with pytest.raises(rdkv.CorruptFile, match=msg):
         load(saved)
+
+
+def test_a_version_4_file_in_the_packed_layout_is_refused_naming_its_version(saved):
+    """Version 4 held the packed layout: this rdkv reads pages only and says to compress again."""
+    with safe_open(saved, "pt") as f:
+        md = f.metadata()
+    assert md["format_version"] == "5"
+    rewrite(saved, format_version="4")
+    want = (r"format version '4' and this rdkv reads versions 5; an older rdkv wrote it, in a layout this rdkv no "
+            r"longer reads, or compress the prefix again")
+    with pytest.raises(rdkv.CorruptFile, match=want):
+        load(saved)
+
+
+def segment(widths: list[int], *, paged: bool, k_width: int = 4, start: int = 0) -> rdkv.trizone.TriZoneLayer:
+    """A one-stream layer packed directly (B = H = 1, head_dim 32), V widths per held token ``widths``."""
+    T, D = len(widths), 32
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D, generator=g)
+    return pack_layer(k, v, start, torch.tensor(widths).view(1, 1, T), torch.full((1, 1, D // 16), k_width),
+                      torch.arange(D).view(1, 1, D), rdkv.PackSpec(**SMALL), torch.float16, None, start + T,
+                      paged=paged)
+
+
+def test_save_refuses_a_cache_in_the_packed_layout(tmp_path):
+    packed = TriZoneCache([segment([4, 16, 0, 2] * 10, paged=False)], fp16_bytes=0)
+    with pytest.raises(rdkv.RDKVError, match="this cache holds a segment in the packed layout .layer 0.; rdkv saves "
+                                             "caches in pages: compress again"):
+        save(packed, tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+    save(TriZoneCache([segment([4, 16, 0, 2] * 10, paged=True)], fp16_bytes=0), tmp_path / "p")
+    assert pages.paged(load(tmp_path / "p").layers[0])
+
+
+@pytest.mark.parametrize("k_width", [0, 16])
+def test_a_segment_whose_streams_keep_no_token_round_trips(tmp_path, k_width):
+    """No kept token: no page, zero bytes of pages (and the channel means alone at K width 0)."""
+    layer = segment([0] * 40, paged=True, k_width=k_width)
+    assert layer.t["pages"].numel() == 0
+    cache = TriZoneCache([layer], fp16_bytes=0)
+    save(cache, tmp_path / "e")
+    assert_identical(cache, load(tmp_path / "e"))
+
+
+def test_positions_past_32767_round_trip(tmp_path):
+    """A segment held past position 32767 stores its positions in int32 inside the pages."""
+    cache = TriZoneCache([segment([2, 4, 8, 16, 0] * 8, paged=True, start=40000)], fp16_bytes=0)
+    cache.layers[0].c_start = cache.layers[0].prefix_len
+    save(cache, tmp_path / "far")
+    got = load(tmp_path / "far")
+    assert_identical(cache, got)
+    assert set(got.layers[0].dequantize()[2][0, :32].tolist()) == {40000 + i for i in range(40) if i % 5 != 4}
+
+
+def test_folds_in_pages_round_trip(tmp_path):
+    """Folds are validated as segments in pages without a zone C."""
+    model, ids = tiny_llama(), torch.randint(0, 96, (1, 64))
+    cache = compressed(model, ids, decode=0)
+    method = rdkv.RDKV(spec=rdkv.PackSpec(**SMALL))
+    cache.set_fold(rdkv.FoldPolicy(every=32, budget=0.3, keep=8, window=4, method=method))
+    for _ in range(50):
+        model(torch.randint(0, 96, (1, 1)), past_key_values=cache)
+    assert cache.layers[0].folds and all(pages.paged(f) for f in cache.layers[0].folds)
+    save(cache, tmp_path / "f")
+    got = load(tmp_path / "f")
+    for la, lb in zip(cache.layers, got.layers):
+        assert len(la.folds) == len(lb.folds)
+        for fa, fb in zip(la.folds, lb.folds):
+            assert fa.t.keys() == fb.t.keys() and all(torch.equal(fa.t[n], fb.t[n]) for n in fa.t)
+    tok = torch.randint(0, 96, (1, 1))
+    assert torch.equal(model(tok, past_key_values=cache).logits, model(tok, past_key_values=got).logits)
 
 
 def test_a_safetensors_file_that_is_not_a_cache_is_refused(tmp_path):
@@ -192,7 +270,7 @@ def test_bfloat16_cache_round_trips(tmp_path):
 
 def test_v_group_per_width_round_trips(tmp_path):
     rec, _ = recorded(tiny_llama(2), torch.randint(0, 96, (1, 80)))
-    cache = rdkv.compress(rec, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16)
+    cache = in_pages(rdkv.compress(rec, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16))
     assert cache.layers[0].spec.v_group == (32, 16, 8)
     save(cache, tmp_path / "w")
     assert_identical(cache, load(tmp_path / "w"))

@@ -70,14 +70,15 @@ def reference(q, layer, scaling, window=None):
 def test_pages_round_trip():
     """Every kept token comes back at its position, V/K within half a quantization step of their width."""
     layer, k, v, vw, kb, perm = build(0, 1, 3, 300, 64)
-    K, V, pos, valid = (x.cpu() for x in pages.dequantize(layer.t, layer.spec, 64, layer.prefix_len, 64, torch.float16))
+    P = pages.segment_page(layer)
+    K, V, pos, valid = (x.cpu() for x in pages.dequantize(layer.t, layer.spec, 64, layer.prefix_len, P, torch.float16))
     s, i = valid.nonzero(as_tuple=True)
     p = pos[s, i] - layer.start
     assert int(valid.sum()) == int((vw > 0).sum()) and bool((vw[s, p] > 0).all())
     err = (V[s, i] - v[s, p]).abs()
     for w, bound in ((16, 2e-3), (8, 0.02)):  # 8 bits over a ~7-wide group: step 0.03
         assert float(err[vw[s, p] == w].max()) < bound
-    assert pages.PagePlan.build(layout.counts(layer), layout.k_bits(layer), layer.spec, 64, layer.prefix_len, 64).total \
+    assert pages.PagePlan.build(layout.counts(layer), layout.k_bits(layer), layer.spec, 64, layer.prefix_len, P).total \
         == pages.buffer(layer).numel()
 
 
@@ -183,11 +184,11 @@ def test_the_triton_backend_sends_a_cache_in_pages_to_the_page_kernel(monkeypatc
         decode.trizone_decode(q, layer, 0.125)
 
 
-def test_to_pages_keeps_the_allocation_and_the_values():
-    """A packed layer in pages: the same widths, positions and V; K requantized per page, so 16-bit channels are
-    exact and 8-bit ones within one 8-bit step of a page's ~5-wide range (0.02)."""
+def test_repack_keeps_the_allocation_and_the_values():
+    """A packed layer in pages and back: the same widths, positions and V; K requantized per scale group, so 16-bit
+    channels are exact and 8-bit ones within one 8-bit step of a group's ~5-wide range (0.02) each way."""
     from rdkv.errors import RDKVError
-    from rdkv.trizone import pack_layer, to_pages
+    from rdkv.trizone import pack_layer, repack
 
     g = torch.Generator().manual_seed(5)
     B, H, T, D = 1, 2, 300, 64
@@ -197,28 +198,29 @@ def test_to_pages_keeps_the_allocation_and_the_values():
     kb = torch.tensor([[0, 2, 8, 16], [16, 8, 4, 2]]).view(B, H, D // 16)
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
     seg = pack_layer(k, v, 5, vw, kb, perm, PackSpec(v_group=32, k_group=128, k_block=16), torch.float16, None, 305)
-    out = to_pages(seg)
-    assert pages.paged(out) and torch.equal(out.v_widths(), seg.v_widths()) and torch.equal(out.k_widths(), seg.k_widths())
-    (K0, V0, p0, ok0), (K1, V1, p1, ok1) = seg.dequantize(), out.dequantize()
-    assert torch.equal(ok0, ok1) and torch.equal(p0[ok0], p1[ok1]) and torch.equal(V0[ok0], V1[ok1])
-    err = (K0[ok0] - K1[ok1]).abs()  # [kept, D], model channel order
-    kw = seg.k_widths().reshape(B * H, 1, D).expand(-1, ok0.shape[1], -1)[ok0]
-    assert float(err[kw == 16].max()) == 0 and float(err[kw == 8].max()) < 0.02
-    layer = build(6, 1, 2, 100, 64)[0]
-    with pytest.raises(RDKVError, match="a packed layer without folds"):
-        to_pages(layer)
+    out = repack(seg, paged=True)
+    back = repack(out, paged=False)
+    assert pages.paged(out) and not pages.paged(back)
+    for a, b in ((seg, out), (out, back)):
+        assert torch.equal(a.v_widths(), b.v_widths()) and torch.equal(a.k_widths(), b.k_widths())
+        (K0, V0, p0, ok0), (K1, V1, p1, ok1) = a.dequantize(), b.dequantize()
+        assert torch.equal(ok0, ok1) and torch.equal(p0[ok0], p1[ok1]) and torch.equal(V0[ok0], V1[ok1])
+        err = (K0[ok0] - K1[ok1]).abs()  # [kept, D], model channel order
+        kw = a.k_widths().reshape(B * H, 1, D).expand(-1, ok0.shape[1], -1)[ok0]
+        assert float(err[kw == 16].max()) == 0 and float(err[kw == 8].max()) < 0.02
+    with pytest.raises(RDKVError, match="already in pages"):
+        repack(out, paged=True)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU paths are compared too")
 def test_real_model_generates_the_same_tokens_from_pages(monkeypatch):
-    """SmolLM2 compressed at 10% of a 400-token prefill, its layers in pages: the page kernel (Triton backend) and the
-    C page path (torch backend) generate the oracle's tokens, logits within 2e-2 (as
+    """SmolLM2 compressed at 10% of a 400-token prefill (in pages): the page kernel (Triton backend) and the C page
+    path (torch backend) generate the oracle's tokens, logits within 2e-2 (as
     tests/test_cpu_decode.py::test_real_models_generate_the_same_tokens; measured 1.0e-3 and 1.3e-3 at 1k tokens)."""
     import copy
 
     import rdkv
     from conftest import load_real
-    from rdkv.trizone import to_pages
 
     model, tok = load_real("smollm2-135m")
     ids = tok(rdkv.models.retrieval_prompt(400, 0.5, tok)["context"], return_tensors="pt").input_ids
@@ -226,7 +228,6 @@ def test_real_model_generates_the_same_tokens_from_pages(monkeypatch):
         model(ids[:, :-1], use_cache=True, logits_to_keep=1)
     cache = rdkv.compress(rec, 0.1)
     del rec
-    cache.layers = [to_pages(seg) for seg in cache.layers]
     assert all(pages.paged(seg) for seg in cache.layers)
     runs = {}
     for backend in ("reference", "torch", "triton"):

@@ -58,14 +58,16 @@ def continuation(model, cache, nxt):
 
 
 def test_budget_one_matches_the_full_cache(llama):
-    ids, nxt = torch.randint(0, 96, (1, 100)), torch.randint(0, 96, (1, 4))
+    # whole pages of 16 tokens: at budget 1.0 the few tokens the positions and indices push below 16 bits are
+    # one page at 8 bits (past a whole page, the rest of a class drops a class, down to eviction)
+    ids, nxt = torch.randint(0, 96, (1, 96)), torch.randint(0, 96, (1, 4))
     rec, out = recorded(llama, ids)
     full = out.past_key_values
     cache = rdkv.compress(rec, 1.0, **SMALL)
-    assert cache.get_seq_length() == 100
+    assert cache.get_seq_length() == 96
     got, want = continuation(llama, cache, nxt), continuation(llama, full, nxt)
     torch.testing.assert_close(got, want, rtol=0, atol=5e-3)  # only fp16 rounding of K and V remains
-    assert cache.get_seq_length() == 104
+    assert cache.get_seq_length() == 100
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.12])
@@ -75,7 +77,8 @@ def test_bytes_stay_within_budget_and_quality_degrades_gracefully(llama, budget)
     full = out.past_key_values
     cache = rdkv.compress(rec, budget, spec=rdkv.PackSpec(**SMALL))
     assert cache.nbytes <= budget * cache.fp16_bytes
-    assert cache.nbytes >= 0.95 * budget * cache.fp16_bytes  # the solver spends what it is given
+    # the solver spends what it is given, to within whole pages (16 tokens here, 13% of a 120-token stream)
+    assert cache.nbytes >= 0.9 * budget * cache.fp16_bytes
     want = continuation(llama, full, nxt).log_softmax(-1)
     got = continuation(llama, cache, nxt).log_softmax(-1)
     kl = (want.exp() * (want - got)).sum(-1).mean()
@@ -192,7 +195,8 @@ def test_eviction_keeps_one_share_of_every_layer(method):
     held = [layer.v_widths().shape[-1] for layer in cache.layers]
     assert held == [15, 15, 150]
     share = (0.3 * cache.fp16_bytes - 3 * (16 + 32 + 2)) / (sum(held) * (4 * 32 + 1))  # fixed bytes, 1-byte positions
-    assert kept == [int(share * n) for n in held] and kept[2] > 2 * kept[0]
+    # in whole pages of 16 tokens, each layer within a page of its share (the 15-token windows: none or one)
+    assert all(k % 16 == 0 and abs(k - share * n) < 16 for k, n in zip(kept, held)) and kept[2] > 2 * kept[0]
     assert 0.27 < cache.nbytes / cache.fp16_bytes <= 0.3
 
 
@@ -207,7 +211,8 @@ def test_auto_picks_the_preset_for_the_attention_layout():
     auto = rdkv.compress(rec, 0.2, **SMALL)
     hybrid = rdkv.compress(rec, 0.2, method="rdkv-hybrid", window=32, window_sliding=32, **SMALL)
     assert auto.method == "rdkv-hybrid" and "(rdkv-hybrid)" in str(auto.report()) and _same_widths(auto, hybrid)
-    assert not _same_widths(auto, rdkv.compress(rec, 0.2, method="rdkv", **SMALL))
+    # the presets price differently (on 15-token windows in pages of 16 the widths may still coincide)
+    assert auto.layer_distortion != rdkv.compress(rec, 0.2, method="rdkv", **SMALL).layer_distortion
     with pytest.raises(rdkv.RDKVError, match="the record kept only the last 32"):  # the named preset is not capped
         rdkv.compress(rec, 0.2, method="rdkv-hybrid", **SMALL)
 
@@ -228,7 +233,7 @@ def test_fixed_rate_method_over_budget_raises(llama):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_models_keep_their_dtype_and_match_at_full_budget(dtype):
     model = tiny_llama(5, dtype)
-    ids, nxt = torch.randint(0, 96, (1, 120)), torch.randint(0, 96, (1, 3))
+    ids, nxt = torch.randint(0, 96, (1, 112)), torch.randint(0, 96, (1, 3))  # 7 pages of 16 tokens
     rec, out = recorded(model, ids)
     full = out.past_key_values
     held, _ = rdkv.pipeline.held_layers(rec, rdkv.methods.resolve(model, "rdkv", SMALL))

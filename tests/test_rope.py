@@ -31,25 +31,28 @@ def test_pair_mean_spreads_each_pair_evenly():
 
 
 def logits_after(model, ids, budget, **kw):
-    """(compressed cache, its logits over ids[:, 60:], the full cache's, the full prefill cache)."""
-    rec, out = recorded(model, ids[:, :60])
+    """(compressed cache, its logits over ids[:, 64:], the full cache's, the full prefill cache): 64 tokens
+    compressed, 4 pages of 16."""
+    rec, out = recorded(model, ids[:, :64])
     full = out.past_key_values
     cache = rdkv.compress(rec, budget, **SMALL, **kw)
-    got = model(ids[:, 60:], past_key_values=cache).logits
-    ref = model(ids[:, 60:], past_key_values=copy.deepcopy(full)).logits
+    got = model(ids[:, 64:], past_key_values=cache).logits
+    ref = model(ids[:, 64:], past_key_values=copy.deepcopy(full)).logits
     return cache, got, ref, full
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 def test_prerope_at_full_budget_reproduces_the_full_cache(make):
-    ids = torch.randint(0, 96, (2, 70), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 96, (2, 74), generator=torch.Generator().manual_seed(1))
     cache, got, ref, full = logits_after(make(), ids, 1.0, prerope=True)
-    assert (got - ref).abs().max() < 2e-3  # the 16-bit cache: measured ~3e-4
+    # nearly a 16-bit cache: measured 3e-4 (Llama); Gemma 3's 15-token windows fill one page of 16 with a few tokens
+    # at 8 bits, 3.1e-3
+    assert (got - ref).abs().max() < 5e-3
     for layer, plain in zip(cache.layers, full.layers):
         assert layout.rope_table(layer) is not None
         K, _, pos, valid = layer.dequantize()  # rotated back at the kept positions
         keys = plain.keys.flatten(0, 1)  # a sliding layer's plain cache holds only its last positions
-        want = keys.gather(1, (pos - (60 - keys.shape[1]))[..., None].expand_as(K))
+        want = keys.gather(1, (pos - (64 - keys.shape[1]))[..., None].expand_as(K))
         assert valid.all()  # budget 1.0 keeps every position
         # budget 1.0 still pays for indices, so a few K blocks drop to 8 bits: half a step of a range < 8
         assert (K - want).abs().max() < 8 / 255 / 2
@@ -60,7 +63,7 @@ def test_prerope_at_full_budget_reproduces_the_full_cache(make):
 
 def test_prerope_cache_saves_loads_and_counts_its_table(tmp_path):
     model = tiny_llama()
-    ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 96, (1, 74), generator=torch.Generator().manual_seed(2))
     cache, got, _, _ = logits_after(model, ids, 0.3, prerope=True)  # compress checks the budget itself
     assert layout.rope_table(cache.layers[0]).numel() == 32 // 2 + 1  # head_dim 32: 16 frequencies and the scaling
     save(cache, tmp_path / "c.safetensors")
@@ -87,11 +90,11 @@ def test_triton_decode_refuses_a_damaged_rope_table():
 
     rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 40)))
     layer = rdkv.compress(rec, 0.3, prerope=True, **SMALL).layers[0]
-    check(torch.zeros(1, 4, 1, 32), layer, None, None)
+    check(torch.zeros(1, 4, 1, 32), layer, None, None, paged=True)
     for bad in (layout.rope_table(layer)[:-1], layout.rope_table(layer).double()):
         layout.set_rope_table(layer, bad)
         with pytest.raises(rdkv.RDKVError, match="RoPE table"):
-            check(torch.zeros(1, 4, 1, 32), layer, None, None)
+            check(torch.zeros(1, 4, 1, 32), layer, None, None, paged=True)
 
 
 def test_rope_whose_angles_are_not_position_times_frequency_is_refused():

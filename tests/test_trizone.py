@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rdkv import layout, quant
+from rdkv import layout, pages, quant
 from rdkv.distortion import layer_tables
 from rdkv.errors import RDKVError
 from rdkv.dense import AttentionSums
@@ -60,16 +60,32 @@ def test_dequantize_matches_each_width(spec):
                 assert (got - kk[:, c]).abs().max() <= rng / ((1 << w) - 1) / 2 * 1.01 + 2e-2
 
 
-def charged(spec: PackSpec, vw: torch.Tensor, kb: torch.Tensor, end: int) -> float:
-    """What the byte model charges an allocation of widths per V token [B, H, T] and K block [B, H, nb]."""
+def charged(spec: PackSpec, vw: torch.Tensor, kb: torch.Tensor, end: int, group: int | None = None) -> float:
+    """What the byte model charges an allocation of widths per V token [B, H, T] and K block [B, H, nb] (K scales
+    per ``group`` tokens, ``k_group`` by default)."""
     B, H, T = vw.shape
     D = kb.shape[-1] * spec.k_block
     idx = {w: i for i, w in enumerate(quant.WIDTHS)}
     v_opt = vw.clone().apply_(idx.get)
     k_opt = kb.clone().apply_(idx.get)
-    rk = k_block_bytes(spec, (vw > 0).sum(-1))  # [B, H, 5]
+    rk = k_block_bytes(spec, (vw > 0).sum(-1), group)  # [B, H, 5]
     return (B * fixed_bytes(H, D, spec) + float(v_row_bytes(spec, D, end)[v_opt].sum())
             + float(rk.gather(-1, k_opt).sum()))
+
+
+def charged_pages(spec: PackSpec, vw: torch.Tensor, kb: torch.Tensor, end: int, page: int) -> float:
+    """What the solver charges an allocation in pages of ``page`` tokens (:func:`rdkv.solvers.allocate.page_bytes`,
+    from the byte model's prices)."""
+    from types import SimpleNamespace
+
+    from rdkv.solvers.allocate import page_bytes
+
+    B, H, T = vw.shape
+    D = kb.shape[-1] * spec.k_block
+    idx = {w: i for i, w in enumerate(quant.WIDTHS)}
+    v_opt, k_opt = vw.clone().apply_(idx.get), kb.clone().apply_(idx.get)
+    prices = SimpleNamespace(rv=v_row_bytes(spec, D, end), rk=lambda n: k_block_bytes(spec, n, page), page=page)
+    return B * fixed_bytes(H, D, spec) + sum(float(page_bytes(prices, v_opt[b], k_opt[b]).sum()) for b in range(B))
 
 
 SPECS = [SPEC, PER_WIDTH, PackSpec(), PackSpec(v_group=32, k_group=7, k_block=32), PackSpec(v_group=4, k_group=1, k_block=4)]
@@ -95,6 +111,39 @@ def test_packed_bytes_are_what_the_byte_model_charges(spec, start):
         assert layer.nbytes == charged(spec, vw, kb, start + T), (vw.unique().tolist(), kb.unique().tolist())
 
 
+PAGE_SPECS = [PackSpec(v_group=16, k_group=16, k_block=16), PackSpec(v_group=(32, 16, 8), k_group=32, k_block=16),
+              PackSpec()]
+
+
+@pytest.mark.parametrize("spec", PAGE_SPECS, ids=["pages-of-16", "v-group-per-width", "default"])
+@pytest.mark.parametrize("T, start", [(37, 0), (4100, 40000)], ids=["short-int16", "long-int32"])
+def test_pages_hold_what_the_solver_charges(spec, T, start):
+    """A paged layer holds exactly the bytes :func:`rdkv.solvers.allocate.page_bytes` charges its allocation (every
+    started page at full size), which equals the solver's linear prices when every V class fills whole pages."""
+    from rdkv.solvers.allocate import page_bytes
+
+    B, H, D = 2, 2, 64
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+    ones = torch.ones(B, H, T)
+    t = layer_tables(k, v, torch.ones(B, H, T, dtype=torch.bool), AttentionSums(ones, ones, torch.ones(B, H, D),
+                     torch.ones(B)), D**-0.5, spec, start + T)
+    widths, perm = torch.tensor(quant.WIDTHS), torch.arange(D).expand(B, H, D)
+    for trial in range(6):
+        v_opt = torch.randint(0, 5, (B, H, T), generator=g)
+        if trial % 2:  # whole pages: the first c*page tokens at option 1..4 each
+            n = torch.randint(0, T // (4 * t.page) + 1, (4,), generator=g) * t.page
+            v_opt = torch.cat([torch.full((int(c),), i + 1) for i, c in enumerate(n)] + [torch.zeros(T - int(n.sum()))])
+            v_opt = v_opt.long().expand(B, H, T)
+        k_opt = torch.randint(0, 5, (B, H, D // spec.k_block), generator=g).sort(-1).values
+        layer = pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, torch.float16, None, start + T,
+                           paged=True)
+        assert pages.segment_page(layer) == t.page
+        assert layer.nbytes == B * t.fixed + sum(float(page_bytes(t, v_opt[b], k_opt[b]).sum()) for b in range(B))
+        if trial % 2:
+            assert layer.nbytes == charged(spec, widths[v_opt], widths[k_opt], start + T, t.page)
+
+
 def test_tables_charge_the_byte_model():
     B, H, T, D = 1, 2, 37, 32
     k, v = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
@@ -109,7 +158,7 @@ def test_tables_charge_the_byte_model():
 
 
 def test_pack_spec_checks_every_v_group():
-    PER_WIDTH.check(32)
+    PackSpec(v_group=(32, 16, 8), k_group=16).check(32)
     for bad, match in (((32, 16), "one int per V width"), ((32, 12, 8), "v_group at 4 bits=12 must divide"),
                        ((32, 16, 2), "multiples of 4"), ("64", "one int per V width")):
         with pytest.raises(RDKVError, match=match):
@@ -160,8 +209,8 @@ def test_compressed_cache_holds_what_its_allocation_is_charged(method, options):
     cache = rdkv.compress(rec, 0.3 if method != "kivi2" else None, method=method,
                           **({} if method == "kivi2" else SMALL), **options)
     spec = cache.layers[0].spec
-    want = sum(charged(spec, layer.v_widths(), layout.k_bits(layer).long().view(layer.batch, layer.heads, -1),
-                       layer.prefix_len) for layer in cache.layers)
+    want = sum(charged_pages(spec, layer.v_widths(), layout.k_bits(layer).long().view(layer.batch, layer.heads, -1),
+                             layer.prefix_len, pages.segment_page(layer)) for layer in cache.layers)
     if options.get("prerope"):
         want += len(cache.layers) * rdkv.rope.rope_bytes(cache.layers[0].head_dim)
     assert cache.nbytes == want
