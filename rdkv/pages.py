@@ -34,9 +34,11 @@ K_WIDTHS = (2, 4, 8, 16)  # the K sections of a page, in order
 
 def page_tokens(head_dim: int, spec: PackSpec, held: int) -> int:
     """Tokens per page, a power of two from 16 to 64: one decode tile (64 up to head_dim 128, 32 past it), at most
-    ``spec.k_group`` (a page is one K scale group) and at most a 64th of the ``held`` positions, so that short
-    segments (short prompts, sliding windows, folds) do not spend their bytes on partly filled pages."""
-    cap = min(64 if head_dim <= 128 else 32, spec.k_group, max(16, held // 64))
+    ``spec.k_group`` (a page is one K scale group) and at most a 16th of the ``held`` positions, so that short
+    segments (short prompts, sliding windows, folds) round few tokens to whole pages. Smaller pages pay more K
+    scales: on SmolLM2 at 1k, pages of 64 gave lower KL than pages of 16 (docs/kernels.md, "Pages as the stored
+    format")."""
+    cap = min(64 if head_dim <= 128 else 32, spec.k_group, max(16, held // 16))
     return 1 << (cap.bit_length() - 1)
 
 

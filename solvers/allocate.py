@@ -25,17 +25,19 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
     """Widths (as option indices) for sequence ``b`` over the given layers within ``budget`` bytes, in whole pages.
 
     The linear solver's choice is rounded to whole pages (:func:`fit_pages`), which may leave bytes unspent or
-    force tokens down a class. So the solver also runs with what rounding left unspent added, and with 2% and 5%
-    less (a choice with a few more tokens at lower widths may round with fewer evicted), and the rounded choice
-    of least modelled distortion (V and K) is kept. Where every one evicts a protected token (a stream whose last
+    force tokens down a class. So the solver also runs with what rounding left unspent added (if 1% of the budget
+    or more), and, where rounding evicted tokens the solver kept, with 2% and 5% less (a choice with a few more
+    tokens at lower widths may round with fewer evicted); the rounded choice of least modelled distortion (V and
+    K) is kept. Where every one evicts a protected token (a stream whose last
     page cannot be filled, with no byte left to leave it partly filled), the solver runs with less until one does
     not (bisecting down to the least it can allocate, up to 8 times)."""
     fixed = sum(t.fixed for t in tables)
-    best = None
+    budget = math.floor(budget * (1 + 1e-12))  # whole bytes: budgets that differ in their last bits solve alike
+    best, evicted = None, None
 
     def attempt(target: float) -> float | None:
         """Solve for ``target``, round, keep the better; the bytes left unspent (None: nothing fits)."""
-        nonlocal best
+        nonlocal best, evicted
         try:
             dv, v_opt, k_opt = _solve_linear(tables, b, target, passes)
         except Infeasible:
@@ -45,6 +47,8 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         fit = fit_pages(tables, b, budget, dv, v_opt, k_opt)
         if fit is None:
             return None
+        if evicted is None:
+            evicted = any(bool(((a > 0) & (r == 0)).any()) for a, r in zip(v_opt, fit[0]))
         dist = fit[2] + sum(float(t.dk[b].gather(-1, k.unsqueeze(-1)).sum()) for t, k in zip(tables, k_opt))
         rank = (True, -dist) if math.isfinite(dist) else (False, fit[1])
         if best is None or rank > best[0]:
@@ -52,10 +56,11 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
         return budget - fit[1]
 
     slack = attempt(budget)
-    if slack and slack >= min(t.rv[-1].item() for t in tables):  # at least one 16-bit V row left
+    if slack and slack >= 0.01 * (budget - fixed):
         attempt(budget + slack)
-    for less in (0.02, 0.05):
-        attempt(budget - less * (budget - fixed))
+    if evicted:  # rounding down evicted tokens the solver kept: try a little less, more of them at lower widths
+        for less in (0.02, 0.05):
+            attempt(budget - less * (budget - fixed))
     lo, hi = fixed, budget - 0.05 * (budget - fixed)
     for _ in range(8):
         if best[0][0]:
@@ -234,15 +239,19 @@ def fit_pages(tables: list, b: int, budget: float, dv: list, v_opt: list,
     the page the solver started from below) or down (its last page's tokens drop a class): of the 16 ways, a
     multiple-choice knapsack over every stream picks one per stream for the least distortion that fits. Rounding
     every class down only lowers widths, so the solver's own choice always has a way that fits."""
-    ways = torch.arange(16)
     rows, units = [], []  # per layer: distortion and bytes of each way [H, 16]
     for t, d, opt, kw in zip(tables, dv, v_opt, k_opt):
         present = t.present[b]
         full = torch.full((*present.shape, d.shape[-1]), math.inf, dtype=d.dtype, device=d.device)
         full[present] = d
+        ways = {0: opt}  # the ways' common prefixes share their roundings: 30 class steps for 16 ways
+        for c in range(d.shape[-1] - 1, 0, -1):
+            ways = {w | up << (c - 1): _round_class(o, full, present, t.page, c, torch.full(opt.shape[:1], bool(up),
+                                                                                               device=opt.device))
+                    for w, o in ways.items() for up in (0, 1)}
         dist, cost = [], []
-        for w in ways.tolist():
-            o = _round_pages(opt, full, present, t.page, torch.full(present.shape[:1], w, device=opt.device))
+        for w in range(len(ways)):
+            o = ways[w]
             dist.append(full.gather(-1, o.unsqueeze(-1)).squeeze(-1).masked_fill(~present, 0).sum(-1))
             cost.append(page_bytes(t, o, kw))
         dist = torch.stack(dist, 1).double()

@@ -34,11 +34,11 @@ def test_peaked_weights_spend_the_budget(frac):
     # Before phase 3 (V re-solved with K fixed), the passes swung between few and many kept tokens and the
     # last V choice left bytes K could not use: this layer spent 97/49/16% of the budget at 5/10/25%
     # (SmolLM2's query-aware 2k probe at 10%: 0.066 of fp16 instead of 0.1). Then 99.2/99.99/99.98%, in whole pages
-    # 99.6/98.6/96.8% (measured 2026-12-05).
+    # 99.6/98.6/92.6% (pages of 32 tokens, measured 2026-12-05).
     t = peaked_layer()
     budget = frac * H * T * 4 * D
     v, k = allocate([t], [budget + t.fixed], "layer", passes=3)
     got = spent(t, v[0], k[0])
     assert got <= budget
-    # to within whole pages: with two streams one 16-token page at 16 bits is 6% of the budget at 25% (96.8% spent)
-    assert got >= 0.95 * budget
+    # to within whole pages: with two streams one 32-token page at 16 bits is 13% of the budget at 25% (92.6% spent)
+    assert got >= 0.9 * budget

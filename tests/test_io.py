@@ -11,19 +11,13 @@ from safetensors.torch import save_file
 import rdkv
 from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.io import load, save
-from rdkv.trizone import TriZoneCache, pack_layer, repack
-
-
-def in_pages(cache: TriZoneCache) -> TriZoneCache:
-    """``cache`` with every layer in pages, whichever layout compress wrote (files hold pages only)."""
-    cache.layers[:] = [layer if pages.paged(layer) else repack(layer, paged=True) for layer in cache.layers]
-    return cache
+from rdkv.trizone import TriZoneCache, pack_layer
 
 
 def compressed(model, ids, budget=0.3, decode=3, **options):
     """record a prefill, compress it in pages, then decode ``decode`` tokens so zone C is not empty."""
     rec, _ = recorded(model, ids)
-    cache = in_pages(rdkv.compress(rec, budget, **{**SMALL, **options}))
+    cache = rdkv.compress(rec, budget, **{**SMALL, **options})
     for _ in range(decode):
         model(torch.randint(0, 96, (ids.shape[0], 1)), past_key_values=cache)
     return cache
@@ -106,10 +100,10 @@ def test_same_prefill_gives_byte_identical_files(tmp_path):
     ids = torch.randint(0, 96, (1, 90))
     model = tiny_llama()
     rec, _ = recorded(model, ids)
-    save(in_pages(rdkv.compress(rec, 0.3, **SMALL)), tmp_path / "a")
-    save(in_pages(rdkv.compress(rec, 0.3, **SMALL)), tmp_path / "b")
+    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "a")
+    save(rdkv.compress(rec, 0.3, **SMALL), tmp_path / "b")
     other, _ = recorded(tiny_llama(), ids)  # a fresh model and a fresh prefill of the same tokens
-    save(in_pages(rdkv.compress(other, 0.3, **SMALL)), tmp_path / "c")
+    save(rdkv.compress(other, 0.3, **SMALL), tmp_path / "c")
     data = [(tmp_path / n).read_bytes() for n in "abc"]
     assert data[0] == data[1] == data[2]
 
@@ -270,7 +264,7 @@ def test_bfloat16_cache_round_trips(tmp_path):
 
 def test_v_group_per_width_round_trips(tmp_path):
     rec, _ = recorded(tiny_llama(2), torch.randint(0, 96, (1, 80)))
-    cache = in_pages(rdkv.compress(rec, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16))
+    cache = rdkv.compress(rec, 0.3, v_group=(32, 16, 8), k_group=32, k_block=16)
     assert cache.layers[0].spec.v_group == (32, 16, 8)
     save(cache, tmp_path / "w")
     assert_identical(cache, load(tmp_path / "w"))
