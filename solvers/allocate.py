@@ -28,9 +28,9 @@ def _solve_sequence(tables: list, b: int, budget: float, passes: int) -> tuple[l
     force tokens down a class. So the solver also runs with what rounding left unspent added (if 1% of the budget
     or more), and, where rounding evicted tokens the solver kept, with 2% and 5% less (a choice with a few more
     tokens at lower widths may round with fewer evicted); the rounded choice of least modelled distortion (V and
-    K) is kept. Where every one evicts a protected token (a stream whose last
-    page cannot be filled, with no byte left to leave it partly filled), the solver runs with less until one does
-    not (bisecting down to the least it can allocate, up to 8 times)."""
+    K) is kept. Where every one evicts a protected token (a stream whose last page cannot be filled, with no byte
+    left to leave it partly filled), the solver runs with less until one does not (bisecting down to the least it
+    can allocate, up to 8 times)."""
     fixed = sum(t.fixed for t in tables)
     budget = math.floor(budget * (1 + 1e-12))  # whole bytes: budgets that differ in their last bits solve alike
     best, evicted = None, None
