@@ -1,10 +1,9 @@
-/* The CPU decode's products over one packed TriZone segment: the query's scores against the keys
- * (rdkv_scores) and the probabilities' sum over the values (rdkv_attend), each reading the codes once, a tile at
- * a time into a buffer the L1 cache holds, and never writing the dequantized keys or values out; rdkv_keys
- * writes them, for pre-RoPE keys, which are rotated in torch. Where torch takes a handful of ops per width
- * (shift, mask, convert, scale, offset, gather, product), each paying its fixed cost and a pass over the floats.
- * Built and loaded by kernels/cpu_dequant.py; rdkv/cpu_decode.py holds the same computation in torch, used where
- * no C compiler is found, and the tests hold the two equal.
+/* The CPU decode's products over one TriZone segment in pages (rdkv.pages): the query's scores against the keys
+ * (rdkv_page_scores) and the probabilities' sum over the values (rdkv_page_attend), each reading a page's codes
+ * once into a buffer the L1 cache holds and never writing the dequantized keys or values out; rdkv_page_keys
+ * writes them, for pre-RoPE keys, which are rotated in torch. Built and loaded by kernels/cpu_dequant.py; where no
+ * C compiler is found rdkv/cpu_decode.py reads the page oracle (rdkv.pages.dequantize) instead, and the tests hold
+ * the two equal.
  *
  * Codes: code i of byte j is channel j * (8 / bits) + i (quant.pack), so channel c of a row is bits
  * [bits * c, bits * (c + 1)) of it. Scales and zeros are fp16. Work is split over the thread count the caller
@@ -67,65 +66,7 @@ static void v_rows(const void *stored, const half *scale, const half *zero, int 
     }
 }
 
-/* Tokens t0 <= t < t1 of one pair's keys into o[c * ld + t - t0], channel c of kb: ``x`` the pair's first stored
- * row (rb bytes: codes of ``bits`` bits, channel c at bits [bits * c, bits * (c + 1)) of its row, or 16-bit
- * values), ``scale``/``zero`` the [kb] row of the tokens' group. */
-static void k_tile(const uint8_t *restrict x, int bits, int bf16, int64_t kb, int64_t rb, const half *scale,
-                   const half *zero, int64_t t0, int64_t t1, float *restrict o, int64_t ld) {
-    const int64_t m = (1 << bits) - 1;
-    for (int64_t c = 0; c < kb; c++, o += ld) {
-        if (bits == 16) {
-            for (int64_t t = t0; t < t1; t++) o[t - t0] = x16(x, t * kb + c, bf16);
-            continue;
-        }
-        const int64_t sh = bits * c;
-        const float s = (float)scale[c], z = (float)zero[c];
-        if (rb == 8)
-            for (int64_t t = t0; t < t1; t++) {
-                uint64_t r;
-                memcpy(&r, x + t * 8, 8);
-                o[t - t0] = (float)((r >> sh) & m) * s + z;
-            }
-        else if (rb == 4)
-            for (int64_t t = t0; t < t1; t++) {
-                uint32_t r;
-                memcpy(&r, x + t * 4, 4);
-                o[t - t0] = (float)((r >> sh) & m) * s + z;
-            }
-        else
-            for (int64_t t = t0; t < t1; t++) o[t - t0] = (float)((x[t * rb + sh / 8] >> (sh % 8)) & m) * s + z;
-    }
-}
-
-static const int BITS_OF[5] = {0, 2, 4, 8, 16}; /* a pair's width, by the position rdkv_keys/scores are given */
-
-/* The keys of every (channel block, stream) pair of a segment, out [pairs, kb, N] channel-major, in storage
- * order. Pair p has width BITS_OF[width[p]] and reads the tensors of that width: its n[p] rows from row row0[p]
- * of codes[.] (one row of channel means at width 0), scale and zero [., kb] per ``kg`` tokens from group
- * group0[p] on; zero past n[p]; ``bf16``: 16-bit rows are bf16. */
-void rdkv_keys(const void *const codes[5], const half *const scale[5], const half *const zero[5], int bf16,
-               int64_t kb, int64_t kg, const int64_t *width, const int64_t *row0, const int64_t *n,
-               const int64_t *group0, int64_t pairs, int64_t N, float *out, int threads) {
-    const int64_t groups = (N + kg - 1) / kg;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < pairs; p++)
-        for (int64_t q = 0; q < groups; q++) {
-            const int64_t t0 = q * kg, t1 = t0 + kg < N ? t0 + kg : N, live = n[p] < t1 ? n[p] : t1;
-            const int bits = BITS_OF[width[p]];
-            float *o = out + p * kb * N + t0;
-            if (live > t0 && !bits) {
-                const half *mean = (const half *)codes[0] + row0[p] * kb;
-                for (int64_t c = 0; c < kb; c++)
-                    for (int64_t t = t0; t < live; t++) o[c * N + t - t0] = (float)mean[c];
-            } else if (live > t0) {
-                const int64_t rb = bits == 16 ? 2 * kb : kb * bits / 8, at = bits == 16 ? 0 : (group0[p] + q) * kb;
-                k_tile((const uint8_t *)codes[width[p]] + row0[p] * rb, bits, bf16, kb, rb,
-                       bits == 16 ? 0 : scale[width[p]] + at, bits == 16 ? 0 : zero[width[p]] + at, t0, live, o, N);
-            }
-            for (int64_t c = 0; c < kb; c++)
-                for (int64_t t = live > t0 ? live : t0; t < t1; t++) o[c * N + t - t0] = 0.0f;
-        }
-}
+static const int BITS_OF[5] = {0, 2, 4, 8, 16}; /* K widths, by their position in rdkv.quant.WIDTHS */
 
 #define BLOCK 32 /* tokens (or channels) a product keeps in registers */
 
@@ -143,114 +84,6 @@ static void dot_rows(float *restrict row, const float *restrict w, const float *
     }
     for (int64_t c = 0; c < kb; c++)
         for (int64_t u = t; u < len; u++) row[u] += w[c] * k[c * ld + u];
-}
-
-/* scores [S, GL, N] += for each (channel block, stream) pair p, in storage order: its query block qb [pairs, GL, kb]
- * dotted with its keys at its tokens t < n[p], into the rows of stream stream[p]; later tokens are left as they
- * are. Pair p reads its keys as rdkv_keys does, but they are never written out: a tile of kg tokens is
- * dequantized into a buffer the L1 cache holds, then multiplied. */
-int rdkv_scores(const void *const codes[5], const half *const scale[5], const half *const zero[5], int bf16,
-                int64_t kb, int64_t kg, const int64_t *width, const int64_t *row0, const int64_t *n,
-                const int64_t *group0, const int64_t *stream, int64_t pairs, const float *qb, int64_t GL, int64_t N,
-                float *scores, int threads) {
-    const int64_t groups = (N + kg - 1) / kg;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *tile = malloc((size_t)(kb * kg) * sizeof(float));
-        if (!tile) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static) /* a token group per item: the pairs of a stream add into disjoint tokens */
-        for (int64_t q = 0; q < groups; q++)
-            for (int64_t p = 0; p < pairs && tile; p++) {
-                const int64_t t0 = q * kg, live = n[p] < t0 + kg ? n[p] : t0 + kg;
-                if (live <= t0) continue;
-                const int bits = BITS_OF[width[p]];
-                const float *qp = qb + p * GL * kb;
-                float *sc = scores + stream[p] * GL * N + t0;
-                if (!bits) {
-                    const half *mean = (const half *)codes[0] + row0[p] * kb;
-                    for (int64_t l = 0; l < GL; l++) {
-                        float w = 0.0f;
-                        for (int64_t c = 0; c < kb; c++) w += qp[l * kb + c] * (float)mean[c];
-                        for (int64_t t = 0; t < live - t0; t++) sc[l * N + t] += w;
-                    }
-                    continue;
-                }
-                const int64_t rb = bits == 16 ? 2 * kb : kb * bits / 8, at = bits == 16 ? 0 : (group0[p] + q) * kb;
-                k_tile((const uint8_t *)codes[width[p]] + row0[p] * rb, bits, bf16, kb, rb,
-                       bits == 16 ? 0 : scale[width[p]] + at, bits == 16 ? 0 : zero[width[p]] + at, t0, live, tile, kg);
-                for (int64_t l = 0; l < GL; l++) dot_rows(sc + l * N, qp + l * kb, tile, kb, kg, live - t0);
-            }
-        free(tile);
-    }
-    return failed;
-}
-
-#define TILE 64 /* value rows dequantized at a time (64 KiB at D = 256) */
-#define CHUNK 1024 /* value rows of one work item, summed into its own partial */
-
-/* out [S, GL, D] (channel 2j + i at column i * D/2 + j) += p [S, GL, .] times the values of a segment, stream s's
- * tokens its class runs in class order as rdkv_values reads them; p[s, l, t] at p + (s * GL + l) * ldp + t. */
-int rdkv_attend(const void *const codes[4], const half *const scale[4], const half *const zero[4],
-                const int64_t group[4], const int64_t *counts, int64_t S, int64_t D, int bf16, const float *p,
-                int64_t GL, int64_t ldp, float *out, int threads) {
-    static const int bits[4] = {2, 4, 8, 16};
-    int64_t chunks = 0;
-    int failed = 0;
-    for (int64_t i = 0; i < S * 4; i++) {
-        const int64_t m = (counts[i] + CHUNK - 1) / CHUNK;
-        chunks = m > chunks ? m : chunks;
-    }
-    /* one partial sum per work item (stream, class, chunk), whichever thread runs it, added in item order after
-     * the loop: the same floats on any thread count */
-    const int64_t size = GL * D, items = S * 4 * chunks;
-    float *partial = calloc((size_t)(items * size + 1), sizeof(float));
-    if (!partial) return 1;
-#pragma omp parallel num_threads(threads)
-    {
-        float *tile = malloc((size_t)(TILE * D) * sizeof(float));
-        if (!tile) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t s = item / (4 * chunks), c = item / chunks % 4, rows = counts[s * 4 + c];
-            const int64_t c0 = item % chunks * CHUNK, c1 = c0 + CHUNK < rows ? c0 + CHUNK : rows;
-            int64_t before = 0, at = 0; /* the run's first row in the class tensor, first token in the stream */
-            for (int64_t u = 0; u < s; u++) before += counts[u * 4 + c];
-            for (int u = 0; u < c; u++) at += counts[s * 4 + u];
-            for (int64_t r0 = c0; r0 < c1 && tile; r0 += TILE) {
-                const int64_t r1 = r0 + TILE < c1 ? r0 + TILE : c1, G = bits[c] == 16 ? 0 : D / group[c];
-                v_rows((const uint8_t *)codes[c] + (before + r0) * D * bits[c] / 8,
-                       bits[c] == 16 ? 0 : scale[c] + (before + r0) * G, bits[c] == 16 ? 0 : zero[c] + (before + r0) * G,
-                       bits[c], bf16, r1 - r0, D, group[c], tile);
-                for (int64_t l = 0; l < GL; l++) /* BLOCK channels at a time accumulate over the tile's rows */
-                    for (int64_t d = 0; d < D; d += BLOCK) {
-                        const float *pl = p + (s * GL + l) * ldp + at + r0;
-                        float *restrict a = partial + item * size + l * D + d;
-                        if (d + BLOCK > D) {
-                            for (int64_t r = 0; r < r1 - r0; r++)
-                                for (int64_t j = 0; j < D - d; j++) a[j] += pl[r] * tile[r * D + d + j];
-                            continue;
-                        }
-                        float sum[BLOCK];
-                        for (int j = 0; j < BLOCK; j++) sum[j] = a[j];
-                        for (int64_t r = 0; r < r1 - r0; r++)
-                            for (int j = 0; j < BLOCK; j++) sum[j] += pl[r] * tile[r * D + d + j];
-                        for (int j = 0; j < BLOCK; j++) a[j] = sum[j];
-                    }
-            }
-        }
-        free(tile);
-    }
-    for (int64_t item = 0; item < items; item++)
-        for (int64_t i = 0; i < size; i++) out[item / (4 * chunks) * size + i] += partial[item * size + i];
-    free(partial);
-    return failed; /* out of memory: part of the sum is missing */
 }
 
 /* ---- the page layout (rdkv.pages) ------------------------------------------------------------------------------

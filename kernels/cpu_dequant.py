@@ -1,14 +1,14 @@
-"""The CPU decode's products over a packed TriZone segment, in C (``cpu_dequant.c``): the query's scores against
-the keys and the probabilities' sum over the values, each read from the codes a tile at a time.
+"""The CPU decode's products over a TriZone segment in pages, in C (``cpu_dequant.c``): the query's scores against
+the keys and the probabilities' sum over the values, each read from a page's codes into a buffer the L1 cache holds.
 
 A decode step through a small model's compressed cache is, in torch, a few hundred ops per layer, each
 paying microseconds of fixed cost and most a pass over megabytes of floats (shift, mask, convert, scale,
 offset, gather, product); the C functions read each code once and never write the dequantized keys or values
-out (:func:`keys` does, for pre-RoPE keys, which are rotated in torch). They are built on first use with the
+out (:func:`page_keys` does, for pre-RoPE keys, which are rotated in torch). They are built on first use with the
 system C compiler (``$CC``, else ``cc``) into the user's cache directory, keyed by the source, the flags and
 the CPU, then loaded with ctypes: about a second once per machine, nothing to install. Where no compiler
-works, :func:`library` returns None and :mod:`rdkv.cpu_decode` runs the same computation in torch (the
-reference for these functions; the tests hold the two equal).
+works, :func:`library` returns None and :mod:`rdkv.cpu_decode` reads the page oracle
+(:func:`rdkv.pages.dequantize`, the reference for these functions; the tests hold the two equal).
 """
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ import torch
 
 from rdkv.cachedir import cache_dir, trusted as _trusted
 from rdkv.errors import RDKVError
-from rdkv.quant import WIDTHS as K_WIDTHS
-from rdkv.layout import V_CLASSES
 from rdkv.pages import PagePlan
 
 SOURCE = Path(__file__).with_name("cpu_dequant.c")
@@ -41,7 +39,6 @@ SOURCE = Path(__file__).with_name("cpu_dequant.c")
 FLAGS = (["-O3", "-march=native", "-mprefer-vector-width=256", "-fopenmp"], ["-O3", "-march=native", "-fopenmp"],
          ["-O3", "-fopenmp"], ["-O3"])
 
-Stored = dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]  # codes, scale, zero per width
 
 
 def _cpu() -> str:
@@ -102,10 +99,6 @@ def _build(cmd: list[str], so: Path, timeout: float) -> None:
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` (a build of cpu_dequant.c) with its functions' argument types set."""
     P, I64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rdkv_keys.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, I64, I64, P, ctypes.c_int]
-    lib.rdkv_scores.argtypes = [P * 5, P * 5, P * 5, ctypes.c_int, I64, I64, P, P, P, P, P, I64, P, I64, I64, P,
-                                ctypes.c_int]
-    lib.rdkv_attend.argtypes = [P * 4, P * 4, P * 4, I64 * 4, P, I64, I64, ctypes.c_int, P, I64, I64, P, ctypes.c_int]
     INT = ctypes.c_int
     lib.rdkv_page_scores.argtypes = [P, P, P, INT, I64, I64, I64, P, I64, I64, P, INT, P, INT]
     lib.rdkv_page_keys.argtypes = [P, P, P, INT, I64, I64, I64, I64, INT, P, P, INT]
@@ -177,119 +170,6 @@ def _int64(name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return x
 
 
-def attend(out: torch.Tensor, p: torch.Tensor, stored: Stored, group: dict[int, int], counts: np.ndarray) -> None:
-    """``out`` [S, GL, D] float32 (channel 2j + i at column i * D/2 + j) += ``p`` [S, GL, N] float32 (rows of unit
-    stride) times the values of one segment: stream s's tokens its class runs in class order (2, 4, 8, 16).
-
-    ``stored[w]`` = (codes [rows, D * w / 8] uint8, scale, zero [rows, D / group[w]] fp16) of class w, or (rows
-    [rows, D] fp16/bf16, None, None) for class 16; ``counts`` [S, 4] int64 (numpy), rows per stream and class.
-    """
-    S, GL, D = out.shape
-    _int64("counts", counts, (S, 4))
-    if (counts < 0).any():
-        raise RDKVError("attend: a count is negative")
-    _check("out", out, torch.float32, (S, GL, D))
-    if p.dtype != torch.float32 or p.shape[:2] != (S, GL) or p.stride(2) != 1 or p.stride(0) != GL * p.stride(1) \
-            or int(counts.sum(1).max(initial=0)) > p.shape[2] or D % 2 or p.device.type != "cpu":
-        raise RDKVError(f"attend: p must be float32 [{S}, {GL}, >= every stream's count] with rows of unit stride, "
-                        f"got {p.dtype} {tuple(p.shape)} strides {p.stride()}; D={D} must be even")
-    codes, scale, zero, groups, bf16 = [None] * 4, [None] * 4, [None] * 4, [1] * 4, 0
-    for c, w in enumerate(V_CLASSES):
-        rows = int(counts[:, c].sum())
-        if not rows:
-            continue
-        x, s, z = stored[w]
-        if w == 16:
-            _check("class 16 rows", x, (torch.float16, torch.bfloat16), (rows, D))
-            bf16 = int(x.dtype == torch.bfloat16)
-        else:
-            g = groups[c] = group[w]
-            if not (isinstance(g, int) and 0 < g <= D and D % g == 0 and g % 4 == 0):
-                raise RDKVError(f"attend: class {w} has V groups of {g} channels; they must divide D={D} in multiples of 4")
-            _check(f"class {w} codes", x, torch.uint8, (rows, D * w // 8))
-            _check(f"class {w} scale", s, torch.float16, (rows, D // g))
-            _check(f"class {w} zero", z, torch.float16, (rows, D // g))
-            scale[c], zero[c] = _ptr(s), _ptr(z)
-        codes[c] = _ptr(x)
-    P, I64 = ctypes.c_void_p * 4, ctypes.c_int64 * 4
-    if library().rdkv_attend(P(*codes), P(*scale), P(*zero), I64(*groups), counts.ctypes.data, S, D, bf16,
-                             p.data_ptr(), GL, p.stride(1), out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("rdkv_attend: out of memory for its per-thread buffers")
-
-
-def _key_tables(name: str, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
-                group0: np.ndarray, kb: int, N: int) -> tuple[np.ndarray, list, list, list, int]:
-    """What rdkv_keys and rdkv_scores are given for the pairs' tensors, each checked against the pairs: every pair's
-    width position, the code, scale and zero pointers per width, and whether the 16-bit rows are bf16."""
-    pairs = len(width)
-    for arg, x in (("width", width), ("row0", row0), ("n", n), ("group0", group0)):
-        _int64(arg, x, (pairs,))
-        if pairs and int(x.min()) < 0:
-            raise RDKVError(f"{name}: a pair's {arg} is negative")
-    if not (0 < kb and kb % 4 == 0 and 0 < k_group and N >= 0):
-        raise RDKVError(f"{name}: k_block={kb} must be a positive multiple of 4 and k_group={k_group} positive")
-    index = np.searchsorted(K_WIDTHS, width)  # the C side finds a pair's tensors by the width's position
-    if pairs and not np.array_equal(np.take(K_WIDTHS, index, mode="clip"), width):
-        raise RDKVError(f"{name}: widths must be in {K_WIDTHS}, got {sorted(set(width.tolist()))}")
-    codes, scale, zero, bf16 = [None] * 5, [None] * 5, [None] * 5, 0
-    rows, groups = np.zeros(5, np.int64), np.zeros(5, np.int64)  # stored per width
-    for i in set(index.tolist()):
-        w = K_WIDTHS[i]
-        x, s, z = stored[w]
-        rows[i] = x.shape[0]
-        if w in (0, 16):
-            _check(f"width {w} rows", x, (torch.float16,) if w == 0 else (torch.float16, torch.bfloat16), (rows[i], kb))
-            bf16 = int(x.dtype == torch.bfloat16)
-        else:
-            groups[i] = s.shape[0]
-            _check(f"width {w} codes", x, torch.uint8, (rows[i], kb * w // 8))
-            _check(f"width {w} scale", s, torch.float16, (groups[i], kb))
-            _check(f"width {w} zero", z, torch.float16, (groups[i], kb))
-            scale[i], zero[i] = _ptr(s), _ptr(z)
-        codes[i] = _ptr(x)
-    packed = (index > 0) & (index < 4)
-    if pairs and ((row0 + np.where(index == 0, 1, n) > rows[index]).any() or int(n.max()) > N
-                  or (packed & (group0 + -(-n // k_group) > groups[index])).any()):
-        raise RDKVError(f"{name}: a pair runs past its width's stored rows or scale groups, or its count exceeds N={N}")
-    return index, codes, scale, zero, bf16
-
-
-def keys(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
-         group0: np.ndarray) -> None:
-    """``out`` [pairs, kb, N] float32 := the keys of every (channel block, stream) pair p, channel-major, zero past
-    n[p]. Pair p has width width[p] and reads ``stored[width[p]]``: (codes [rows, kb * w / 8] uint8, scale, zero
-    [groups, kb] fp16) its n[p] rows from row0[p] on, scale and zero per ``k_group`` tokens from group group0[p]
-    on; at 16 bits (rows [rows, kb] fp16/bf16, None, None); at width 0 (channel means [., kb] fp16, None, None),
-    row row0[p]."""
-    pairs, kb, N = out.shape
-    _check("out", out, torch.float32, (pairs, kb, N))
-    index, codes, scale, zero, bf16 = _key_tables("keys", stored, k_group, width, row0, n, group0, kb, N)
-    P = ctypes.c_void_p * 5
-    library().rdkv_keys(P(*codes), P(*scale), P(*zero), bf16, kb, k_group, index.ctypes.data, row0.ctypes.data,
-                        n.ctypes.data, group0.ctypes.data, pairs, N, out.data_ptr(), torch.get_num_threads())
-
-
-def scores(out: torch.Tensor, stored: Stored, k_group: int, width: np.ndarray, row0: np.ndarray, n: np.ndarray,
-           group0: np.ndarray, stream: np.ndarray, query: torch.Tensor) -> None:
-    """``out`` [S, GL, N] float32 += for each (channel block, stream) pair p: ``query`` [pairs, GL, kb] float32 (its
-    query block) dotted with its keys (as :func:`keys` reads them) at its tokens t < n[p], into the rows of stream
-    stream[p]. The keys are never written out."""
-    S, GL, N = out.shape
-    pairs, kb = query.shape[0], query.shape[2]
-    _check("out", out, torch.float32, (S, GL, N))
-    _check("query", query, torch.float32, (pairs, GL, kb))
-    _int64("stream", stream, (pairs,))
-    index, codes, scale, zero, bf16 = _key_tables("scores", stored, k_group, width, row0, n, group0, kb, N)
-    if pairs and (int(stream.min()) < 0 or int(stream.max()) >= S):
-        raise RDKVError(f"scores: a pair's stream is outside 0..{S - 1}")
-    P = ctypes.c_void_p * 5
-    if library().rdkv_scores(P(*codes), P(*scale), P(*zero), bf16, kb, k_group, index.ctypes.data, row0.ctypes.data,
-                             n.ctypes.data, group0.ctypes.data, stream.ctypes.data, pairs, query.data_ptr(), GL, N,
-                             out.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("rdkv_scores: out of memory for its per-thread buffers")
-
-
-# --- the page layout (rdkv.pages) -------------------------------------------------------------------------------
 PAGE_FIELDS, COUNT_FIELD = 34, 21  # int64 fields of a stream's row of the page table; its class counts (cpu_dequant.c)
 
 

@@ -33,7 +33,7 @@ from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
 LOG2E = 1.4426950408889634
 WAVES = 4  # programs per SM the split aims for
 _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_add = tl.standard._sum_combine  # core combiners (see rdkv.kernels.trizone_decode on interpreter use)
+_add = tl.standard._sum_combine  # core combiners (see rdkv.kernels.device.page_decode on interpreter use)
 _max = tl.standard._elementwise_max
 
 

@@ -1,10 +1,21 @@
-"""Fused TriZone decode attention over the page layout (:mod:`rdkv.pages`): flash-decoding split-K, as
-:mod:`rdkv.kernels.trizone_decode` does over the packed layout, with work items cut in whole pages.
+"""Fused TriZone decode attention in Triton over the page layout (:mod:`rdkv.pages`): flash-decoding split-K.
 
-The launcher reads a paged segment through :mod:`rdkv.pages` only: its plan of offsets becomes one int32 row per
-stream (:func:`stream_table`, the fields of :mod:`rdkv.kernels.device.page_decode`) and one int64 base per (stream,
-class), built once per segment and kept beside it (:func:`rdkv.layout.derived`). The device code is
-:mod:`rdkv.kernels.device.page_decode`; partials merge by log-sum-exp (:mod:`rdkv.kernels.lse_merge`).
+One launch of :func:`rdkv.kernels.device.page_decode._page_attn` computes partial attention for every *work item*;
+one launch of :func:`rdkv.kernels.lse_merge._lse_merge` combines the partials of each stream by log-sum-exp and
+writes the output.
+
+Work items
+    Zone A+B: a stream's pages (ordered by V class, then position) are cut into runs of ``split`` pages
+    (:func:`choose_pages`); each run is one program. Zone C: the ``n`` fresh tokens of every stream are cut into
+    chunks of as many tokens. A second grid axis tiles the query rows (``G`` grouped heads x ``L`` query
+    positions, head-major) into blocks of ``BLOCK_M >= 16`` rows, so one program serves every query head that
+    shares its KV head.
+
+The launcher reads a segment through :mod:`rdkv.pages` only: its plan of offsets becomes one int32 row per stream
+(:func:`stream_table`, the fields of :mod:`rdkv.kernels.device.page_decode`) and one int64 base per (stream, class),
+built once per segment and kept beside it (:func:`rdkv.layout.derived`: dropped with its tensors, never in the
+layer, so the layer's ``nbytes`` stays exactly what the cache holds). docs/kernels.md has the layout, the
+instruction counts and the bandwidth model.
 """
 from __future__ import annotations
 
@@ -12,18 +23,123 @@ import dataclasses
 import heapq
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+import triton.language as tl
 
 from rdkv import layout, pages
 from rdkv.errors import RDKVError
 from rdkv.kernels.device import page_decode as dev
-from rdkv.kernels.device.page_decode import _page_attn
-from rdkv.kernels.device.trizone_decode import LOG2E
+from rdkv.kernels.device.page_decode import LOG2E, _page_attn
 from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
-from rdkv.kernels.trizone_decode import _DOT, LaunchConfig, _nonempty, block_m_for, check, launch_config
 from rdkv.trizone import TriZoneLayer
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch settings of the decode kernel; a field left ``None`` takes the default of :func:`launch_config`.
+
+    ``block_n``: tokens per tile (a power of two >= 16); ``num_warps``; ``num_stages``: software pipelining
+    depth of the tile loops; ``maxnreg``: register cap per thread (lets ptxas use every register instead of
+    spilling, or trades registers for programs per SM); ``split``: tokens per work item (whole pages after
+    rounding up). ``scripts/bench_decode.py --sweep`` times a list of these.
+    """
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    maxnreg: int | None = None
+    split: int | None = None
+
+    def check(self) -> None:
+        for f in fields(self):
+            name, x = f.name, getattr(self, f.name)
+            if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < 1):
+                raise RDKVError(f"LaunchConfig.{name} must be a positive int or None, got {x!r}")
+        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
+            raise RDKVError(f"LaunchConfig.block_n must be a power of two >= 16 (a tl.dot shape), got {self.block_n}")
+        if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+            raise RDKVError(f"LaunchConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise RDKVError(f"LaunchConfig.maxnreg must be in 24..255 (registers per thread), got {self.maxnreg}")
+
+
+def launch_config(D: int, block_m: int, dtype: torch.dtype = torch.float16, rope: bool = False,
+                  override: LaunchConfig | None = None) -> LaunchConfig:
+    """Launch settings per head_dim, query-row block, dtype and key layout (``rope``: pre-RoPE keys), chosen so
+    no variant spills registers (checked by scripts/compile_check.py); fields set in ``override`` win.
+    ``split`` stays ``None`` unless overridden (:func:`choose_pages` picks it per segment)."""
+    o = override or LaunchConfig()
+    o.check()
+    block_n = 64 if D <= 128 else 32
+    warps = o.num_warps or (4 if D <= 64 else 8)
+    maxnreg = None
+    if dtype == torch.float32:  # fp32 operands take twice the registers of fp16 ones
+        block_n, maxnreg = 16, min(255, 65536 // (32 * warps))
+    elif rope:  # left alone, ptxas stops at 168 registers and spills ~1 KB at head_dim 64 (sm_90)
+        maxnreg = 255
+    return LaunchConfig(o.block_n or block_n, warps, o.num_stages or 1, o.maxnreg or maxnreg, o.split)
+
+
+def block_m_for(rows: int, dtype: torch.dtype = torch.float16) -> int:
+    """Query rows per program: >= 16 for tl.dot, <= 32 (16 for fp32) to bound registers; more rows tile
+    the second grid axis."""
+    return min(16 if dtype == torch.float32 else 32, max(16, _pow2(rows)))
+
+
+def _nonempty(x: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``x``, or a one-element stand-in where there is nothing to read (a pointer the kernel never dereferences)."""
+    return x if x is not None and x.numel() else torch.zeros(1, dtype=dtype, device=device)
+
+
+_DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+def check(query: torch.Tensor, layer: TriZoneLayer, softcap, mask) -> None:
+    """Raise :class:`RDKVError` for a call the kernel cannot serve."""
+    if not isinstance(layer, TriZoneLayer):
+        raise RDKVError(f"the Triton decode kernel takes a TriZoneLayer, got {type(layer).__name__}")
+    if query.dim() != 4:
+        raise RDKVError(f"query must be [B, Hq, L, D], got shape {tuple(query.shape)}")
+    B, Hq, L, D = query.shape
+    if B != layer.batch or D != layer.head_dim or Hq % layer.heads:
+        raise RDKVError(f"query [B={B}, Hq={Hq}, L={L}, D={D}] does not fit the layer (batch {layer.batch}, "
+                        f"{layer.heads} KV heads, head_dim {layer.head_dim})")
+    if query.dtype not in DTYPES:
+        raise RDKVError(f"Triton decode supports fp16/bf16/fp32 queries, got {query.dtype}")
+    if query.device != layer.device:
+        raise RDKVError(f"query is on {query.device}, the cache on {layer.device}")
+    kb = layer.spec.k_block
+    if kb < 16 or kb & (kb - 1):
+        raise RDKVError(f"Triton decode needs k_block a power of two >= 16 (tl.dot shapes), the layer has k_block={kb}")
+    if D > 256 or D < 16 or D & (D - 1):
+        raise RDKVError(f"Triton decode supports head_dim a power of two in 16..256, got {D}")
+    vg = layer.spec.v_group
+    if any(g & (g - 1) for g in ([vg] if isinstance(vg, int) else vg)):
+        raise RDKVError(f"Triton decode needs v_group a power of two (register unpacking), the layer has v_group={vg}")
+    if L < 1:
+        raise RDKVError("Triton decode needs at least one query position")
+    rope = layout.rope_table(layer)
+    if rope is not None and (rope.dtype != torch.float32 or rope.shape != (D // 2 + 1,)):
+        raise RDKVError(f"the layer's RoPE table must be float32 [head_dim/2 + 1] = [{D // 2 + 1}], got {rope.dtype} "
+                        f"{tuple(rope.shape)}: the cache is corrupt")
+    if softcap is not None and not softcap > 0:
+        raise RDKVError(f"softcap must be positive, got {softcap}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise RDKVError(f"Triton decode expects a boolean attention mask, got {mask.dtype}")
+        seq = layer.get_seq_length()
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != L or mask.shape[3] < seq:
+            raise RDKVError(f"attention mask must be [B, 1, L, >= {seq}], got {tuple(mask.shape)}")
+
+
+
 
 
 @dataclass
@@ -109,7 +225,7 @@ def k_chunk(head_dim: int, dtype: torch.dtype, rope: bool) -> int:
 
 def page_launch_config(head_dim: int, block_m: int, dtype: torch.dtype, launch: LaunchConfig | None,
                        rope: bool = False, masked: bool = False) -> LaunchConfig:
-    """:func:`rdkv.kernels.trizone_decode.launch_config`, with 4 warps at head_dim 128 for 16 fp16/bf16 query rows
+    """:func:`launch_config`, with 4 warps at head_dim 128 for 16 fp16/bf16 query rows
     without window, mask or softcap (``masked``): a program then fits in 255 registers without spills, so two
     share an SM and keep two pages in flight (docs/kernels.md, "The page kernel, one K tile"). The other variants
     spill at 4 warps and keep 8."""
@@ -139,9 +255,12 @@ def tables(layer: TriZoneLayer, split: int) -> PageTables:
 def page_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                 softcap: float | None = None, mask: torch.Tensor | None = None,
                 launch: LaunchConfig | None = None) -> torch.Tensor:
-    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D] over a paged
-    layer and its paged folds: the contract of :func:`rdkv.kernels.trizone_decode.trizone_decode`."""
-    check(query, layer, softcap, mask, paged=True)
+    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D].
+
+    Same contract as :func:`rdkv.reference.trizone_attention`, computed by the fused kernel over the layer and its
+    folds; ``launch`` overrides the default launch settings (:class:`LaunchConfig`).
+    """
+    check(query, layer, softcap, mask)
     B, Hq, L, D = query.shape
     H = layer.heads
     G, S = Hq // H, B * H

@@ -39,7 +39,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW_GROUP = 1024  # axis=-1 keeps one whole group in registers
 TILE = 2048  # elements per program tile: 16 per thread at 4 warps, 80-112 registers (4096 needs ~210)
 
-# Only core builtins are called in device code (see kernels/trizone_decode.py: the @jit helpers of
+# Only core builtins are called in device code (see kernels/device/page_decode.py: the @jit helpers of
 # triton.language.standard refuse to run in the interpreter if triton was imported before
 # TRITON_INTERPRET=1 was set); tl.reduce with these combiners is what tl.min / tl.max / tl.sum expand to.
 _add = tl.standard._sum_combine

@@ -39,7 +39,7 @@ LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# core builtins only (see kernels/trizone_decode.py): tl.reduce with the standard combiners
+# core builtins only (see kernels/device/page_decode.py): tl.reduce with the standard combiners
 _add = tl.standard._sum_combine
 _max = tl.standard._elementwise_max
 

@@ -333,9 +333,7 @@ def rdkv_attention(
     if repeat is not None:
         return repeat(module, query, key, value, scaling, sliding_window, softcap).transpose(1, 2), None
     if isinstance(key, TriZoneLayer):
-        layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-        last = layers is None or module.layer_idx >= layers - 1
-        out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask, last_layer=last)
+        out = trizone_decode(query, key, scaling, sliding_window, softcap, attention_mask)
         return out.transpose(1, 2), None
     rec = getattr(module, "_rdkv_record", None)
     if rec is None and softcap is None:

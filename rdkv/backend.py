@@ -20,8 +20,7 @@ BACKENDS = ("triton", "torch", "reference")
 # The Triton kernel of each step that has one: (module of rdkv.kernels, function). Looked up by name on first use:
 # Triton is optional, and the kernels import the modules that dispatch to them.
 TRITON_KERNELS = {
-    "decode": ("trizone_decode", "trizone_decode"),
-    "page_decode": ("page_decode", "page_decode"),  # a cache in pages (rdkv.pages)
+    "decode": ("page_decode", "page_decode"),
     "quantize_pack": ("quantize_pack", "quantize_pack"),
     "token_weights": ("token_weights", "attention_sums"),
 }

@@ -56,7 +56,7 @@ class FoldPolicy:
             raise RDKVError(f"a fold prices with an RDKV method, got {type(self.method).__name__}")
         H, D, spec = layer.heads, layer.head_dim, layer.spec
         # counts and permutation, then K channel means only
-        least = fixed_bytes(H, D, spec) + H * D // spec.k_block * int(k_block_bytes(spec, torch.zeros(()))[0])
+        least = fixed_bytes(H, D, spec) + H * D // spec.k_block * int(k_block_bytes(spec, torch.zeros(()), spec.k_group)[0])
         room = self.budget * fp16_bytes(self.every, H * D)
         if room < least:
             need = math.ceil(least / (self.budget * fp16_bytes(1, H * D)))

@@ -113,18 +113,12 @@ def save(cache: TriZoneCache, path: str | os.PathLike) -> None:
     name; the temporary files of saves killed before their rename are removed by the next save into that folder. A
     new file is created 0600 (a cache holds what its prompt said), one saved over keeps its mode.
 
-    Only caches in pages (:mod:`rdkv.pages`) are saved: a file holds one layout, the one :func:`load` checks.
-
     Args:
         cache: the :class:`TriZoneCache` to write.
         path: the file to write.
     """
     if not isinstance(cache, TriZoneCache) or not all(isinstance(x, TriZoneLayer) for x in cache.layers):
         raise RDKVError(f"rdkv.save takes the TriZoneCache rdkv.compress returned, got {type(cache).__name__}")
-    packed = next((i for i, layer in enumerate(cache.layers) if not all(map(pages.paged, layer.segments()))), None)
-    if packed is not None:
-        raise RDKVError(f"this cache holds a segment in the packed layout (layer {packed}); rdkv saves caches in "
-                        "pages: compress again")
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for i, layer in enumerate(cache.layers):

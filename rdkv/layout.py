@@ -1,32 +1,27 @@
-"""The packed layout of a TriZone segment, and the one module that names its tensors.
+"""What a TriZone segment stores, named in one place, and the byte model the solver and the baselines are charged by.
 
 A segment holds, for S = batch * kv_heads streams, each with its own allocation:
 
-* Tokens a stream keeps, ordered by V width class (2, 4, 8, 16), then by position. The class sizes [S, 4] are
-  the one table every other index derives from (:class:`Plan`).
-* V rows of class w in {2, 4, 8} (zone A): packed codes [rows, D*w/8] with one fp16 scale and zero per
-  ``spec.v_group_of(w)`` channels (one size, or one per width); class 16 rows (zone B) in the 16-bit dtype.
-* K per channel block of ``k_block`` channels. A permutation [S, D] makes each stream's blocks contiguous and
-  ordered by width; the block widths are [S, D/k_block]. The rows of all (block, stream) pairs of width w,
-  block-major, are packed codes [rows, k_block*w/8] with one fp16 scale and zero per channel per ``k_group``
-  consecutive tokens of a pair; width 16 keeps 16-bit rows, width 0 only the channel means.
-* Optionally the layer's rotary table (keys packed before RoPE, :mod:`rdkv.rope`), rotating them back at decode.
-* The absolute position of each kept token (sliding-window masks, reports).
-* A layer (not a fold) also holds zone C: tokens appended after compression [B, H, n, D] in the 16-bit dtype,
+* the tokens each stream keeps per V width class (2, 4, 8, 16) [S, 4] (``v_counts``), the one table every offset
+  derives from;
+* each stream's channel order [S, D] (``k_perm``), in which its K channel blocks of ``k_block`` channels are
+  consecutive runs sorted by width, and the block widths [S, D/k_block] (``k_bits``);
+* the kept tokens themselves in pages (:mod:`rdkv.pages`: K codes, scales and zeros per page, V rows, positions)
+  and the width-0 channel means;
+* optionally the layer's rotary table (keys packed before RoPE, :mod:`rdkv.rope`), rotating them back at decode;
+* a layer (not a fold) also holds zone C: tokens appended after compression [B, H, n, D] in the 16-bit dtype,
   and, under a fold policy, the last decode queries the next fold weighs by.
 
-Readers never index the tensors by name: they ask this module for them (:func:`v_rows`, :func:`k_rows`,
-:func:`zone_c`, ...) and for the offsets (:func:`plan`, derived once per segment and shared by the packer, the
-torch oracle, the CPU decode with its C products and the Triton launcher). The byte model here is what the packer
-stores, so what the solver and the baselines are charged is what a cache holds.
+Readers never index the tensors by name: they ask this module (:func:`counts`, :func:`zone_c`, ...) and
+:mod:`rdkv.pages` (the pages and their plan of offsets, derived once per segment and shared by the torch oracle,
+the CPU decode's C products, the Triton launcher, the report and the plots).
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from functools import cached_property
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -108,12 +103,11 @@ def v_row_bytes(spec: PackSpec, head_dim: int, length: int) -> torch.Tensor:
                          + (pos_bytes(length) if w else 0) for w in quant.WIDTHS], dtype=torch.float64)
 
 
-def k_block_bytes(spec: PackSpec, n: torch.Tensor, group: int | None = None) -> torch.Tensor:
+def k_block_bytes(spec: PackSpec, n: torch.Tensor, group: int) -> torch.Tensor:
     """Bytes of one K channel block at each width of ``quant.WIDTHS`` when its stream keeps ``n`` tokens
     [...] -> [..., 5] (float64): at 0 bits the block's channel means, at 16 its rows, else its codes plus a
-    scale and zero per channel per started group of ``group`` tokens (a page, :func:`rdkv.pages.page_tokens`;
-    ``k_group`` in the packed layout)."""
-    kb, g = spec.k_block, group or spec.k_group
+    scale and zero per channel per started group of ``group`` tokens (a page, :func:`rdkv.pages.page_tokens`)."""
+    kb, g = spec.k_block, group
     n = n.double().unsqueeze(-1)
     w = torch.tensor(quant.WIDTHS, dtype=torch.float64, device=n.device)
     packed = kb * w / 8 * n + kb * torch.ceil(n / g) * quant.META_BYTES
@@ -138,8 +132,8 @@ def _int(name: str, x, lo: int, hi: int = POSITION_LIMIT) -> int:
 def check_scalars(*, batch: int, heads: int, head_dim: int, start: int, prefix_len: int, spec: PackSpec,
                   sliding_window: int | None, dtype16: torch.dtype) -> tuple[int, int, int]:
     """Raise :class:`RDKVError` naming the first of a segment's scalars out of range or its spec illegal for
-    ``head_dim``; (batch, heads, head_dim) otherwise. Shared by :func:`check_layout` and
-    :func:`rdkv.pages.check_pages`: nothing is sized by a scalar before this passes."""
+    ``head_dim``; (batch, heads, head_dim) otherwise (:func:`rdkv.pages.check_pages`: nothing is sized by a scalar
+    before this passes)."""
     B, H = _int("batch", batch, 1, 2**16), _int("heads", heads, 1, 2**16)
     D = _int("head_dim", head_dim, 4, HEAD_DIM_LIMIT)
     start, prefix_len = _int("start", start, 0), _int("prefix_len", prefix_len, 0)
@@ -152,7 +146,6 @@ def check_scalars(*, batch: int, heads: int, head_dim: int, start: int, prefix_l
     if not isinstance(spec, PackSpec):
         raise RDKVError(f"spec must be a PackSpec, got {type(spec).__name__}")
     spec.check(D)
-    _int("k_group", spec.k_group, 1, POSITION_LIMIT)
     return B, H, D
 
 
@@ -198,70 +191,6 @@ def check_extras(t: dict[str, torch.Tensor], names: set[str], *, batch: int, hea
         raise RDKVError(f"unexpected tensors {extra}")
 
 
-def check_layout(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
-                 spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
-    """Raise :class:`RDKVError` naming the first field of a packed segment that is not what :func:`pack_layer` makes:
-    scalars in range, the spec legal for ``head_dim``, exactly the tensors the counts imply with their dtypes and
-    shapes, counts non-negative and within the positions held, positions in range and distinct per stream and in
-    the packer's order, each permutation a permutation, widths legal and sorted, and finite 16-bit values, scales
-    and zeros. Every size is checked against a tensor before anything is sized by it, so a segment from an
-    untrusted file can make no decode path read out of bounds or allocate beyond its tensors."""
-    B, H, D = check_scalars(batch=batch, heads=heads, head_dim=head_dim, start=start, prefix_len=prefix_len, spec=spec,
-                            sliding_window=sliding_window, dtype16=dtype16)
-    S, kb, L = B * H, spec.k_block, prefix_len - start
-    tensor = tensor_checker(t)
-    counts = tensor("v_counts", torch.int32, (S, len(V_CLASSES))).long()
-    if (counts < 0).any():
-        raise RDKVError("v_counts holds a negative count")
-    n = counts.sum(1)
-    if (n > L).any():
-        raise RDKVError(f"v_counts keeps more tokens in a stream than the {L} positions it held")
-    N = int(n.sum())
-    pos = tensor("pos", pos_dtype(prefix_len), (N,)).long()
-    s, i = _segments(n)
-    if N and ((pos < start).any() or (pos >= prefix_len).any()):
-        raise RDKVError(f"pos holds a position outside [{start}, {prefix_len})")
-    cls = (i.unsqueeze(1) >= torch.cumsum(counts, 1)[s]).sum(1)
-    same_run = (s[1:] == s[:-1]) & (cls[1:] == cls[:-1])
-    if (same_run & (pos[1:] <= pos[:-1])).any():
-        raise RDKVError("pos is not increasing within a stream's width class (the packer's order)")
-    if torch.unique(s * (L + 1) + pos - start).numel() != N:
-        raise RDKVError("pos holds a position twice in one stream")
-    perm = tensor("k_perm", torch.uint8 if D <= 256 else torch.int16, (S, D)).long()
-    if not torch.equal(perm.sort(1).values, torch.arange(D, device=perm.device).expand(S, D)):
-        raise RDKVError("k_perm is not a permutation of the channels in every stream")
-    bits = tensor("k_bits", torch.uint8, (S, D // kb)).long()
-    if not torch.isin(bits, torch.tensor(quant.WIDTHS, device=bits.device)).all() or (bits[:, 1:] < bits[:, :-1]).any():
-        raise RDKVError(f"k_bits must hold widths in {quant.WIDTHS}, sorted along each stream")
-    names = {"v_counts", "pos", "k_perm", "k_bits"}
-    for c, w in enumerate(V_CLASSES):
-        rows = int(counts[:, c].sum())
-        if w == 16:
-            tensor("v16", dtype16, (rows, D))
-            names.add("v16")
-            continue
-        g = spec.v_group_of(w)
-        tensor(f"v{w}.codes", torch.uint8, (rows, D * w // 8))
-        tensor(f"v{w}.scale", quant.META_DTYPE, (rows, D // g))
-        tensor(f"v{w}.zero", quant.META_DTYPE, (rows, D // g))
-        names |= {f"v{w}.codes", f"v{w}.scale", f"v{w}.zero"}
-    for w in quant.WIDTHS:
-        pair_n = n[torch.nonzero(bits.T == w, as_tuple=True)[1]]
-        if w == 0:
-            tensor("k0.mean", quant.META_DTYPE, (len(pair_n), kb))
-            names.add("k0.mean")
-        elif w == 16:
-            tensor("k16", dtype16, (int(pair_n.sum()), kb))
-            names.add("k16")
-        else:
-            groups = int(((pair_n + spec.k_group - 1) // spec.k_group).sum())
-            tensor(f"k{w}.codes", torch.uint8, (int(pair_n.sum()), kb * w // 8))
-            tensor(f"k{w}.scale", quant.META_DTYPE, (groups, kb))
-            tensor(f"k{w}.zero", quant.META_DTYPE, (groups, kb))
-            names |= {f"k{w}.codes", f"k{w}.scale", f"k{w}.zero"}
-    check_extras(t, names, batch=B, heads=H, head_dim=D, dtype16=dtype16, zone_c=zone_c)
-
-
 # --- offsets: derived once per segment -------------------------------------------------------------------
 
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,99 +204,12 @@ def _excl(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(x, dim) - x
 
 
-class KTokens(NamedTuple):
-    """The kept tokens of every K pair of one width, in storage order (a pair's tokens in its stream's order)."""
-
-    stream: torch.Tensor  # [R] stream of the pair
-    block: torch.Tensor  # [R] the pair's channel block (in the stream's permuted order)
-    pair: torch.Tensor  # [R] the pair's index among the pairs of this width (its row at width 0)
-    token: torch.Tensor  # [R] the token's index inside its stream (its stored row at widths 2-16 is the entry's index)
-    group: torch.Tensor  # [R] the token's scale/zero group among this width's groups
-
-
-@dataclass(eq=False)
-class Plan:
-    """Every offset of one packed segment, derived from its class sizes, block widths and ``k_group``.
-
-    Tokens: stream s's kept tokens follow every earlier stream's in the positions, ordered by V class. V rows of
-    class c are stream-major. K pairs, one per (stream, channel block), in storage order: by width, then
-    block-major (block, stream); a pair holds n[s] rows (one channel-mean row at width 0) and
-    ceil(n[s] / k_group) scale groups, counted from the first pair of its width. Tensors are on the segment's
-    device; :attr:`host` mirrors them in numpy for the CPU decode's bookkeeping.
-    """
-
-    counts: torch.Tensor  # [S, 4] int64 tokens per stream and V class
-    n: torch.Tensor  # [S] tokens per stream
-    tok0: torch.Tensor  # [S] index of the stream's first token among all kept tokens
-    class_start: torch.Tensor  # [S, 5] class boundaries inside the stream: 0, c2, c2 + c4, ..., n
-    class_row0: torch.Tensor  # [S, 4] row of the stream's first class-c token among class c's rows
-    pair_width: torch.Tensor  # [P] K width of each pair, storage order
-    pair_stream: torch.Tensor  # [P]
-    pair_block: torch.Tensor  # [P] channel block in the stream's permuted order
-    pair_row0: torch.Tensor  # [P] first stored row among its width's rows
-    pair_group0: torch.Tensor  # [P] first scale/zero group among its width's groups
-    width_pairs: torch.Tensor  # [6] pairs of width WIDTHS[i] are [width_pairs[i], width_pairs[i + 1]) (CPU)
-    block_row0: torch.Tensor  # [S, NB] pair_row0 of each stream's blocks
-    block_group0: torch.Tensor  # [S, NB] pair_group0 likewise
-    block_width_start: torch.Tensor  # [S, 6] boundaries of each width along a stream's blocks (sorted by width)
-    k_group: int
-
-    @classmethod
-    def build(cls, counts: torch.Tensor, k_bits: torch.Tensor, k_group: int) -> Plan:
-        counts, k_bits = counts.long(), k_bits.long()
-        (S, NB), dev = k_bits.shape, k_bits.device
-        n = counts.sum(1)
-        widx = quant.option_of(k_bits)
-        if (widx < 0).any() or (widx[:, 1:] < widx[:, :-1]).any():
-            raise RDKVError(f"k_bits must hold widths in {quant.WIDTHS}, sorted along each stream: the layer is corrupt")
-        blocks = torch.arange(NB, device=dev)
-        order = ((widx * NB + blocks) * S + torch.arange(S, device=dev).unsqueeze(1)).flatten().argsort()
-        pair_stream, pair_block = order // NB, order % NB
-        pwidx = widx.flatten()[order]
-        width_pairs = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(pwidx.cpu(), minlength=5).cumsum(0)])
-        first = width_pairs[:-1].to(dev)[pwidx]  # the first pair of each pair's width
-        rows = torch.where(pwidx == 0, 1, n[pair_stream])
-        groups = -(-n[pair_stream] // k_group)
-        row0, group0 = _excl(rows), _excl(groups)
-        row0, group0 = row0 - row0[first], group0 - group0[first]
-        where = torch.empty_like(order)
-        where[order] = torch.arange(len(order), device=dev)  # (stream * NB + block) -> storage index
-        at = where.view(S, NB)
-        width_start = torch.cat([torch.zeros(S, 1, dtype=torch.long, device=dev),
-                                 torch.nn.functional.one_hot(widx, 5).sum(1).cumsum(1)], 1)
-        cstart = _excl(counts, 1)
-        return cls(counts, n, _excl(n), torch.cat([cstart, n.unsqueeze(1)], 1), _excl(counts, 0),
-                   torch.tensor(quant.WIDTHS, device=dev)[pwidx], pair_stream, pair_block, row0, group0, width_pairs,
-                   row0[at], group0[at], width_start, k_group)
-
-    @cached_property
-    def host(self) -> Plan:
-        """The same plan with numpy arrays (the CPU decode's bookkeeping runs in numpy)."""
-        return Plan(**{f: (getattr(self, f).cpu().numpy() if isinstance(getattr(self, f), torch.Tensor)
-                           else getattr(self, f)) for f in self.__dataclass_fields__})
-
-    def k_tokens(self, width: int) -> KTokens:
-        """Every kept token of the pairs of K width ``width``."""
-        wi = quant.OPTION[width]
-        a, b = int(self.width_pairs[wi]), int(self.width_pairs[wi + 1])
-        s = self.pair_stream[a:b]
-        pair, i = _segments(self.n[s])
-        return KTokens(s[pair], self.pair_block[a:b][pair], pair, i,
-                       self.pair_group0[a:b][pair] + torch.div(i, self.k_group, rounding_mode="floor"))
-
-    @cached_property
-    def tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(stream, index in stream, V class 0..3) of every kept token, in position-table order."""
-        s, i = _segments(self.n)
-        return s, i, (i.unsqueeze(1) >= self.class_start[s, 1:]).sum(1)
-
-
 _DERIVED: dict[tuple, tuple[weakref.ref, object]] = {}
 
 
 def derived(seg: TriZoneLayer, key: Hashable, build: Callable[[], T]) -> T:
     """``build()``, computed once per segment tensors and ``key`` and dropped when the segment's tensors die: what a
-    reader derives from a segment (its :class:`Plan`, a launcher's tables) is kept beside it, never in it, so
+    reader derives from a segment (its page plan, a launcher's tables) is kept beside it, never in it, so
     ``nbytes`` stays exactly the stored tensors."""
     counts = seg.t[_COUNTS]
     full = (id(counts), key)
@@ -380,50 +222,15 @@ def derived(seg: TriZoneLayer, key: Hashable, build: Callable[[], T]) -> T:
     return value
 
 
-def plan(seg: TriZoneLayer) -> Plan:
-    """The segment's :class:`Plan`, built once per segment tensors (:func:`derived`)."""
-    return derived(seg, "plan", lambda: Plan.build(seg.t[_COUNTS], seg.t[_K_BITS], seg.spec.k_group))
-
-
 # --- the stored tensors, by role -----------------------------------------------------------------------------
 
-_COUNTS, _POS, _K_PERM, _K_BITS, _ROPE = "v_counts", "pos", "k_perm", "k_bits", "rope"
+_COUNTS, _K_PERM, _K_BITS, _ROPE = "v_counts", "k_perm", "k_bits", "rope"
 _KC, _VC, _QWIN = "kc", "vc", "qwin"
-INDEX_TENSORS = (_COUNTS, _K_BITS, _K_PERM, _POS)  # the integer tables every offset derives from (a file fuzzer's targets)
-
-
-class Stored(NamedTuple):
-    """Rows at one width: packed codes with their fp16 scales and zeros, or 16-bit rows (``scale``/``zero``
-    None), or at K width 0 the channel means of every pair (``values``; ``scale``/``zero`` None)."""
-
-    values: torch.Tensor
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
-
-
-def v_rows(seg: TriZoneLayer, width: int) -> Stored:
-    """The V rows of class ``width`` in (2, 4, 8, 16), stream-major."""
-    t = seg.t
-    return Stored(t["v16"], None, None) if width == 16 else Stored(t[f"v{width}.codes"], t[f"v{width}.scale"],
-                                                                   t[f"v{width}.zero"])
-
-
-def k_rows(seg: TriZoneLayer, width: int) -> Stored:
-    """The K rows of the pairs of ``width`` in quant.WIDTHS, in storage order."""
-    t = seg.t
-    if width in (0, 16):
-        return Stored(t["k0.mean" if width == 0 else "k16"], None, None)
-    return Stored(t[f"k{width}.codes"], t[f"k{width}.scale"], t[f"k{width}.zero"])
 
 
 def counts(seg: TriZoneLayer) -> torch.Tensor:
     """Kept tokens per stream and V class [S, 4] (int32)."""
     return seg.t[_COUNTS]
-
-
-def positions(seg: TriZoneLayer) -> torch.Tensor:
-    """Absolute position of every kept token [N] (int16 or int32), stream-major, each stream by V class."""
-    return seg.t[_POS]
 
 
 def k_perm(seg: TriZoneLayer) -> torch.Tensor:
@@ -476,39 +283,15 @@ def set_decode_queries(layer: TriZoneLayer, q: torch.Tensor | None) -> None:
 
 
 def component(name: str) -> str:
-    """The accounting bucket of a stored tensor (:data:`COMPONENTS`)."""
-    if name in (_KC, _VC, _QWIN):
-        return "zone C"
-    if name.endswith(".codes"):
-        return "codes"
-    if name.endswith(".scale"):
-        return "scales"
-    if name.endswith(".zero") or name == "k0.mean":
-        return "zeros"
-    if name in ("v16", "k16"):
-        return "fp16 rows"
-    return "indices"  # positions, counts, permutation, block widths, RoPE table
+    """The accounting bucket (:data:`COMPONENTS`) of a stored tensor other than the pages and the channel means
+    (:func:`rdkv.pages.component_bytes` splits those)."""
+    return "zone C" if name in (_KC, _VC, _QWIN) else "indices"  # counts, permutation, block widths, RoPE table
 
 
 COMPONENTS = ("codes", "scales", "zeros", "fp16 rows", "indices", "zone C")
 
 
-def component_bytes(seg: TriZoneLayer) -> dict[str, int]:
-    """Bytes one segment holds per accounting bucket (:data:`COMPONENTS`)."""
-    out = dict.fromkeys(COMPONENTS, 0)
-    for name, x in seg.t.items():
-        out[component(name)] += x.numel() * x.element_size()
-    return out
-
-
-def zone_bytes(layer: TriZoneLayer) -> tuple[int, int, int]:
-    """Bytes of one layer's zone A (packed V rows, all K, indices), zone B (16-bit V rows) and zone C."""
-    b = {name: x.numel() * x.element_size() for name, x in layer.t.items()}
-    zb, zc = b["v16"], b[_KC] + b[_VC] + b.get(_QWIN, 0)
-    return sum(b.values()) - zb - zc, zb, zc
-
-
-# --- packing and the torch oracle's view ---------------------------------------------------------------------
+# --- packing ------------------------------------------------------------------------------------------------
 
 def quantize_pack(x: torch.Tensor, bits: int, group: int, axis: int = -1,
                   segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -546,58 +329,6 @@ def storage_order(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
     return perm, bits, counts, order[keep], rank.gather(1, order)[keep]
 
 
-def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
-         spec: PackSpec, dtype16: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors of one packed segment (no zone C) for k, v [S, T, D] float32 at absolute positions
-    start..start+T-1, V widths per token [S, T] in {0, 2, 4, 8, 16}, K widths per block [S, D/k_block] of the
-    channel order [S, D]. The blocks are stored sorted by width (stable), so each stream's blocks of one width are
-    consecutive and a decode visits them in storage order."""
-    S, T, D = k.shape
-    dev, kb = k.device, spec.k_block
-    perm, bits, class_counts, t_flat, cls = storage_order(v_width, bits, perm, kb)
-    n = class_counts.sum(1)
-    s_flat = torch.repeat_interleave(torch.arange(S, device=dev), n)
-    t: dict[str, torch.Tensor] = {
-        _COUNTS: class_counts.to(torch.int32),
-        _POS: (t_flat + start).to(pos_dtype(start + T)),
-        _K_PERM: perm.to(torch.uint8 if D <= 256 else torch.int16),
-        _K_BITS: bits.to(torch.uint8),
-    }
-    vf = v[s_flat, t_flat]
-    for c, w in enumerate(V_CLASSES):
-        rows = vf[cls == c]
-        if w == 16:
-            t["v16"] = rows.to(dtype16)
-            continue
-        t[f"v{w}.codes"], t[f"v{w}.scale"], t[f"v{w}.zero"] = quantize_pack(rows, w, spec.v_group_of(w))
-    p = Plan.build(class_counts, bits, spec.k_group)
-    kp = k[s_flat, t_flat].gather(1, perm.long()[s_flat]).unflatten(1, (-1, kb))  # [N, D/kb, kb] channels permuted
-    for w in quant.WIDTHS:
-        r = p.k_tokens(w)
-        rows = kp[p.tok0[r.stream] + r.token, r.block]  # [R, kb]
-        if w == 0:
-            npairs = int(p.width_pairs[1])
-            mean = rows.new_zeros(npairs, kb).index_add_(0, r.pair, rows)
-            cnt = rows.new_zeros(npairs).index_add_(0, r.pair, rows.new_ones(len(rows)))
-            t["k0.mean"] = (mean / cnt.clamp_min(1).unsqueeze(1)).to(quant.META_DTYPE)
-        elif w == 16:
-            t["k16"] = rows.to(dtype16)
-        else:  # groups of k_group tokens per channel, restarting at each pair
-            wi = quant.OPTION[w]
-            pair_stream = p.pair_stream[int(p.width_pairs[wi]):int(p.width_pairs[wi + 1])]
-            t[f"k{w}.codes"], t[f"k{w}.scale"], t[f"k{w}.zero"] = quantize_pack(
-                rows, w, spec.k_group, axis=0, segments=n[pair_stream])
-    return t
-
-
-def v_widths(seg: TriZoneLayer) -> torch.Tensor:
-    """V width of every held position [B, H, prefix_len - start] (0 = evicted)."""
-    s, _, cls = plan(seg).tokens
-    out = torch.zeros(seg.batch * seg.heads, seg.prefix_len - seg.start, dtype=torch.long, device=s.device)
-    out[s, positions(seg).long() - seg.start] = torch.tensor(V_CLASSES, device=s.device)[cls]
-    return out.view(seg.batch, seg.heads, -1)
-
-
 def k_widths(seg: TriZoneLayer) -> torch.Tensor:
     """K width of every channel, in the model's channel order [B, H, D]."""
     S, D = seg.batch * seg.heads, seg.head_dim
@@ -606,45 +337,3 @@ def k_widths(seg: TriZoneLayer) -> torch.Tensor:
     out = torch.empty(S, D, dtype=torch.long, device=bits.device)
     out.scatter_(1, k_perm(seg).long(), per_perm)
     return out.view(seg.batch, seg.heads, D)
-
-
-def dequantize(seg: TriZoneLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zones A+B as dense float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax].
-
-    This is the torch reference: it unpacks the whole segment. The decode paths never do.
-    """
-    D, spec, p = seg.head_dim, seg.spec, plan(seg)
-    S, dev = len(p.n), p.n.device
-    nmax = int(p.n.max()) if S else 0
-    K = torch.zeros(S, nmax, D, device=dev)
-    V = torch.zeros(S, nmax, D, device=dev)
-    pos = torch.zeros(S, nmax, dtype=torch.long, device=dev)
-    s, i, cls = p.tokens
-    pos[s, i] = positions(seg).long()
-    for c, w in enumerate(V_CLASSES):
-        sel = cls == c
-        x = v_rows(seg, w)
-        if w == 16:
-            rows = x.values.float()
-        else:
-            codes = quant.unpack(x.values, w).unflatten(-1, (-1, spec.v_group_of(w)))
-            rows = quant.dequantize(codes, x.scale, x.zero).flatten(-2)
-        V[s[sel], i[sel]] = rows
-    kb = spec.k_block
-    Kp = torch.zeros(S, nmax, D, device=dev)  # channels in permuted order
-    lane = torch.arange(kb, device=dev)
-    for w in quant.WIDTHS:
-        r, x = p.k_tokens(w), k_rows(seg, w)
-        if w == 0:
-            rows = x.values.float()[r.pair]
-        elif w == 16:
-            rows = x.values.float()
-        else:
-            rows = quant.unpack(x.values, w).float() * x.scale.float()[r.group] + x.zero.float()[r.group]
-        Kp[r.stream.unsqueeze(1), r.token.unsqueeze(1), r.block.unsqueeze(1) * kb + lane] = rows
-    K.scatter_(2, k_perm(seg).long().unsqueeze(1).expand(S, nmax, D), Kp)
-    table = rope_table(seg)
-    if table is not None:  # keys were packed before RoPE (rdkv.rope): rotate them to their positions
-        K = rope.rotate(K, pos, table)
-    valid = torch.arange(nmax, device=dev) < p.n.unsqueeze(1)
-    return K, V, pos, valid

@@ -1,11 +1,11 @@
-"""The page layout of a packed segment: each stream's kept tokens in pages of ``P`` tokens, one contiguous span each.
+"""The page layout of a segment: each stream's kept tokens in pages of ``P`` tokens, one contiguous span each.
 
-A stream's kept tokens, ordered by V class (2, 4, 8, 16) then position as in :mod:`rdkv.layout`, are cut per class
-into pages of ``P`` tokens (the last page of a class may be partly filled; its empty slots are zero bytes). A page
+A stream's kept tokens, ordered by V class (2, 4, 8, 16) then position (:func:`rdkv.layout.storage_order`), are cut
+per class into pages of ``P`` tokens (the last page of a class may be partly filled; its empty slots are zero bytes). A page
 of stream ``s`` and class ``c`` holds, in this order, every section a multiple of 16 bytes:
 
 * K codes of the stream's channels of width 2, then 4, then 8 (channels in the stream's permuted order, which
-  :func:`rdkv.layout.pack` sorts by width): byte row ``r`` of width ``w`` holds channels ``r * 8/w + k`` (bits
+  :func:`rdkv.layout.storage_order` sorts by width): byte row ``r`` of width ``w`` holds channels ``r * 8/w + k`` (bits
   ``k * w``) of the page's ``P`` tokens, so a row is ``P`` consecutive bytes, one per token;
 * K rows of the 16-bit channels, channel-major (``P`` consecutive 16-bit values per channel);
 * one fp16 scale per packed K channel, then one fp16 zero (K is quantized per channel per page: a page is one
@@ -56,7 +56,7 @@ def v_bytes(width: int, head_dim: int, spec: PackSpec, page: int) -> tuple[int, 
 
 @dataclass(eq=False)
 class PagePlan:
-    """Every offset of a paged segment, from its class sizes and K block widths (tensors on the segment's device)."""
+    """Every offset of a segment, from its class sizes and K block widths (tensors on the segment's device)."""
 
     page: int  # tokens per page
     counts: torch.Tensor  # [S, 4] tokens per stream and V class
@@ -156,8 +156,8 @@ def _get(buf: torch.Tensor, addr: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor,
          spec: PackSpec, dtype16: torch.dtype, page: int | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one paged segment for k, v [S, T, D] at positions start..start+T-1, V widths per token [S, T]
-    and K widths per block [S, D/k_block] of the channel order [S, D] (the arguments of :func:`rdkv.layout.pack`)."""
+    """The tensors of one segment for k, v [S, T, D] at positions start..start+T-1, V widths per token [S, T]
+    and K widths per block [S, D/k_block] of the channel order [S, D]."""
     S, T, D = k.shape
     dev, kb = k.device, spec.k_block
     P = page or page_tokens(D, spec, T)
@@ -181,31 +181,32 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
         _put(buf, scale_at.unsqueeze(1) + 2 * g, scale)
         _put(buf, scale_at.unsqueeze(1) + v_bytes(w, D, spec, P)[1] + 2 * g, zero)
     kp = k[at.s, t_flat].float().gather(1, perm.long()[at.s])  # [N, D] channels in permuted order
-    width, code_at, shift, meta_at = _k_addresses(p, at, D, kb)
-    # per (page, channel) range over the page's tokens
-    pid = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), (at.base[1:] != at.base[:-1]).long().cumsum(0)])[:len(at.base)]
-    npg = int(pid[-1]) + 1 if len(pid) else 0
-    lo = kp.new_full((npg, D), float("inf")).scatter_reduce(0, pid.unsqueeze(1).expand_as(kp), kp, "amin")
-    hi = kp.new_full((npg, D), float("-inf")).scatter_reduce(0, pid.unsqueeze(1).expand_as(kp), kp, "amax")
-    first = torch.ones(len(pid), dtype=torch.bool, device=dev)
-    first[1:] = pid[1:] != pid[:-1]
+    width, code_at, _, _ = _k_addresses(p, at, D, kb)
     mean_at = p.mean0[at.s].unsqueeze(1) + torch.arange(D, device=dev)
     k_mean = torch.zeros(int(p.chans[:, 0].sum()), dtype=quant.META_DTYPE, device=dev)
     msum = kp.new_zeros(len(k_mean)).index_add_(0, mean_at[width == 0], kp[width == 0])
     mcnt = kp.new_zeros(len(k_mean)).index_add_(0, mean_at[width == 0], torch.ones_like(kp[width == 0]))
     k_mean[:] = (msum / mcnt.clamp_min(1)).to(quant.META_DTYPE)
-    val = torch.zeros_like(kp, dtype=torch.int32)
-    for w in quant.PACKED:
-        scale, zero = quant.scale_zero(lo, hi, w)
-        is_w = width == w
-        val = torch.where(is_w, quant.codes(kp, scale[pid], zero[pid], w).int() << shift.int(), val)
-        m = is_w & first.unsqueeze(1)
-        _put(buf, meta_at[m], scale[pid][m])
-        _put(buf, meta_at[m] + 2 * (p.chans[at.s, 1:4].sum(1, keepdim=True).expand_as(m))[m], zero[pid][m])
-    packed = (width > 0) & (width < 16)
-    byte = torch.zeros(len(buf), dtype=torch.int32, device=dev).index_add_(0, code_at[packed], val[packed])
-    buf[code_at[packed]] = byte[code_at[packed]].to(torch.uint8)
     _put(buf, code_at[width == 16], kp[width == 16].to(dtype16))
+    # packed widths: each page is one scale group per channel (groups of P tokens restarting at every (stream, class))
+    page_s, _, page_base = _page_bases(p)
+    npacked = p.chans[:, 1:4].sum(1)
+    col = torch.arange(D, device=dev)
+    for i, w in enumerate(quant.PACKED, 1):
+        if not p.chans[:, i].any():
+            continue
+        codes, scale, zero = quantize_pack(kp, w, P, axis=0, segments=p.counts.flatten())  # every channel at w
+        per = 8 // w
+        lo, n = p.ch0[:, i] // per, p.chans[:, i] // per  # the stream's bytes of width w in a row of codes
+        b = torch.arange(codes.shape[1], device=dev) - lo[at.s].unsqueeze(1)  # [N, D * w / 8]: its byte row
+        mine = (b >= 0) & (b < n[at.s].unsqueeze(1))
+        row_at = at.base.unsqueeze(1) + p.k_off[at.s, i - 1].unsqueeze(1) + b * P + at.slot.unsqueeze(1)
+        buf[row_at[mine]] = codes[mine]
+        c = col - p.ch0[page_s, i].unsqueeze(1)  # [pages, D]: the channel's index among the stream's width-w ones
+        mine = (c >= 0) & (c < p.chans[page_s, i].unsqueeze(1))
+        meta_at = (page_base + p.k_meta[page_s]).unsqueeze(1) + 2 * (col - p.ch0[page_s, 1].unsqueeze(1))
+        _put(buf, meta_at[mine], scale[mine])
+        _put(buf, (meta_at + 2 * npacked[page_s].unsqueeze(1))[mine], zero[mine])
     return _tensors(counts, perm, bits, k_mean, buf)
 
 
@@ -217,7 +218,7 @@ def _tensors(counts: torch.Tensor, perm: torch.Tensor, bits: torch.Tensor, k_mea
 
 def sized(v_width: torch.Tensor, bits: torch.Tensor, perm: torch.Tensor, spec: PackSpec, pos_len: int,
           page: int | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a paged segment with the allocation of :func:`pack`'s arguments and uninitialised bytes: what
+    """The tensors of a segment with the allocation of :func:`pack`'s arguments and uninitialised bytes: what
     sizing a segment or compiling a launch over it needs, without packing (or holding) any K/V."""
     D = perm.shape[1]
     perm, bits, counts, _, _ = storage_order(v_width, bits, perm, spec.k_block)
@@ -230,31 +231,26 @@ def plan(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int
     return PagePlan.build(t[_COUNTS], t[_K_BITS], spec, head_dim, pos_len, page)
 
 
-_PAGES, _K_MEAN = "pages", "k_mean"  # the tensors a paged segment adds to the index tables of rdkv.layout
+_PAGES, _K_MEAN = "pages", "k_mean"  # the tensors a segment adds to the index tables of rdkv.layout
 
 
 def buffer(seg) -> torch.Tensor:
-    """A paged segment's bytes: every page, uint8."""
+    """A segment's bytes: every page, uint8."""
     return seg.t[_PAGES]
 
 
 def k_means(seg) -> torch.Tensor:
-    """A paged segment's width-0 K channel means, fp16, stream-major in each stream's permuted order."""
+    """A segment's width-0 K channel means, fp16, stream-major in each stream's permuted order."""
     return seg.t[_K_MEAN]
 
 
-def paged(seg) -> bool:
-    """Whether a segment (a :class:`rdkv.trizone.TriZoneLayer`) holds pages rather than the packed layout."""
-    return _PAGES in seg.t
-
-
 def segment_plan(seg) -> PagePlan:
-    """A paged segment's plan, built once and kept beside it (:func:`rdkv.layout.derived`)."""
+    """A segment's plan, built once and kept beside it (:func:`rdkv.layout.derived`)."""
     return derived(seg, "page plan", lambda: plan(seg.t, seg.spec, seg.head_dim, seg.prefix_len, segment_page(seg)))
 
 
 def component_bytes(seg) -> dict[str, int]:
-    """Bytes a paged segment holds per accounting bucket (:data:`rdkv.layout.COMPONENTS`), each page's sections
+    """Bytes a segment holds per accounting bucket (:data:`rdkv.layout.COMPONENTS`), each page's sections
     charged at their full size (a partly filled page's empty slots to the section they are in): K and V codes,
     scales, zeros (and the width-0 channel means), 16-bit K and V rows, indices (class counts, permutation, block
     widths, positions, RoPE table) and zone C."""
@@ -277,8 +273,8 @@ def component_bytes(seg) -> dict[str, int]:
 
 
 def zone_bytes(layer) -> tuple[int, int, int]:
-    """Bytes of a paged layer's zone A (everything but the next two), zone B (the V sections of its class-16
-    pages) and zone C, as :func:`rdkv.layout.zone_bytes` splits a packed one."""
+    """Bytes of a layer's zone A (everything but the next two), zone B (the V sections of its class-16
+    pages) and zone C."""
     p = segment_plan(layer)
     zb = int(p.pages[:, 3].sum()) * v_bytes(16, layer.head_dim, layer.spec, p.page)[0]
     zc = sum(x.numel() * x.element_size() for name, x in layer.t.items() if component(name) == "zone C")
@@ -286,8 +282,9 @@ def zone_bytes(layer) -> tuple[int, int, int]:
 
 
 def dequantize_segment(seg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`dequantize` of a paged segment, keys packed before RoPE rotated to their positions (as
-    :func:`rdkv.layout.dequantize`)."""
+    """:func:`dequantize` of a segment, keys packed before RoPE rotated to their positions: zones A+B as dense
+    float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax] (the torch reference; the decode paths
+    never unpack a whole segment)."""
     K, V, pos, valid = dequantize(seg.t, seg.spec, seg.head_dim, seg.prefix_len, segment_page(seg),
                                    seg.dtype16)
     table = rope_table(seg)
@@ -300,15 +297,14 @@ def _positions(buf: torch.Tensor, p: PagePlan, at: _Slots, head_dim: int, spec: 
 
 
 def positions(seg) -> torch.Tensor:
-    """The absolute position of every token a paged segment kept [N] (int64), stream by stream, each stream's by V
+    """The absolute position of every token a segment kept [N] (int64), stream by stream, each stream's by V
     class then position."""
     p = segment_plan(seg)
     return _positions(buffer(seg), p, _Slots(p), seg.head_dim, seg.spec, seg.prefix_len)
 
 
 def v_widths(seg) -> torch.Tensor:
-    """V width of every held position of a paged segment [B, H, prefix_len - start] (0 = evicted), as
-    :func:`rdkv.layout.v_widths` of a packed one."""
+    """V width of every held position of a segment [B, H, prefix_len - start] (0 = evicted)."""
     at = _Slots(segment_plan(seg))
     pos = positions(seg)
     out = torch.zeros(seg.batch * seg.heads, seg.prefix_len - seg.start, dtype=torch.long, device=pos.device)
@@ -319,7 +315,7 @@ def v_widths(seg) -> torch.Tensor:
 def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_len: int, page: int,
                dtype16: torch.dtype):
     """Dense float32 K, V [S, Nmax, D] (K in the model's channel order), positions [S, Nmax] and validity: the torch
-    oracle of the page layout, as :func:`rdkv.layout.dequantize` is of the packed one."""
+    oracle of the page layout."""
     D, p = head_dim, plan(t, spec, head_dim, pos_len, page)
     buf, at = t[_PAGES], _Slots(p)
     S, dev = len(p.counts), buf.device
@@ -360,13 +356,17 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
     return K, V, pos, valid
 
 
+def _page_bases(p: PagePlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every page, in storage order: its stream, its V class 0..3 and its byte offset."""
+    sc, k = _segments(p.pages.flatten())  # (stream, class) of each page and its index in the class
+    return torch.div(sc, 4, rounding_mode="floor"), sc % 4, p.class_base.flatten()[sc] + k * p.page_size.flatten()[sc]
+
+
 def _pages16(p: PagePlan, head_dim: int, spec: PackSpec, dtype16: torch.dtype) -> dict[torch.dtype, torch.Tensor]:
     """Which of a segment's pages' 16-bit values (masks over the pages as [total / 2] 16-bit words) are of each
     dtype: K and V scales and zeros (fp16), K and V 16-bit rows (``dtype16``), the empty slots of partly filled
     pages included. Every section starts on a 16-byte boundary, so each is whole 16-bit words."""
-    sc, k = _segments(p.pages.flatten())  # every page: its (stream, class) and its index in the class
-    s, c = torch.div(sc, 4, rounding_mode="floor"), sc % 4
-    base = p.class_base.flatten()[sc] + k * p.page_size.flatten()[sc]
+    s, c, base = _page_bases(p)
     vb = torch.tensor([v_bytes(w, head_dim, spec, p.page) for w in V_CLASSES], device=base.device)[c]
     rows, meta = vb[:, 0], 2 * vb[:, 1]  # V codes (16-bit rows in class 16), then scales and zeros (none there)
     v0, wide = base + p.v_off[s], c == V_CLASSES.index(16)
@@ -384,8 +384,8 @@ def _pages16(p: PagePlan, head_dim: int, spec: PackSpec, dtype16: torch.dtype) -
 
 def check_pages(t: dict[str, torch.Tensor], *, batch: int, heads: int, head_dim: int, start: int, prefix_len: int,
                 spec: PackSpec, sliding_window: int | None, dtype16: torch.dtype, zone_c: bool = True) -> None:
-    """Raise :class:`RDKVError` naming the first field of a paged segment that is not what :func:`pack` makes, as
-    :func:`rdkv.layout.check_layout` does for the packed layout: scalars in range and the spec legal, exactly the
+    """Raise :class:`RDKVError` naming the first field of a segment that is not what :func:`pack` makes:
+    scalars in range and the spec legal, exactly the
     tensors ``v_counts``, ``k_perm``, ``k_bits``, ``k_mean`` and ``pages`` (with the optional ``rope`` and, for a
     layer, zone C and ``qwin``) with their dtypes and shapes, counts non-negative and within the positions held,
     each permutation a permutation, K widths legal and sorted, the positions in the pages in range, increasing

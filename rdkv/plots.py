@@ -216,7 +216,7 @@ def zone_sizes(cache: TriZoneCache) -> Figure:
         counts = layout.counts(layer).long().sum(0).tolist()  # per V class, over streams
         kc, _ = layout.zone_c(layer)
         rows.append((sum(counts[:3]), counts[3], kc.shape[0] * kc.shape[1] * kc.shape[2]))
-        nbytes.append((pages.zone_bytes if pages.paged(layer) else layout.zone_bytes)(layer))
+        nbytes.append(pages.zone_bytes(layer))
     fig = _figure(figsize=(10, 5.5))
     axes = fig.subplots(2, 1, sharex=True)
     x = list(range(len(cache.layers)))

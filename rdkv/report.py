@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import layout, pages, quant
+from . import pages, quant
 from .layout import COMPONENTS
 
 
@@ -11,7 +11,7 @@ def layer_components(layer) -> dict[str, int]:
     """Bytes one TriZone layer holds (its folds included), per accounting bucket."""
     comps = dict.fromkeys(COMPONENTS, 0)
     for seg in layer.segments():
-        for k, v in (pages.component_bytes if pages.paged(seg) else layout.component_bytes)(seg).items():
+        for k, v in pages.component_bytes(seg).items():
             comps[k] += v
     return comps
 

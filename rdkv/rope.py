@@ -6,7 +6,7 @@ cleaner before it. The ``prerope`` option un-rotates the cached keys, allocates 
 space, stores the layer's rotary frequencies (:func:`rdkv.layout.rope_table`: inv_freq, then the attention scaling, float32,
 counted in ``nbytes``) and rotates the dequantized keys back at their positions on every decode step: the
 torch path rotates the keys (:func:`rotate`), the Triton kernel rotates each channel block inside its dots
-(``rdkv.kernels.device.trizone_decode._rope_dot``).
+(``rdkv.kernels.device.page_decode._rope_dot``).
 """
 from __future__ import annotations
 

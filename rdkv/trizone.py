@@ -1,7 +1,7 @@
 """The TriZone cache: packed old zone (A), 16-bit V rows (B), fresh tokens (C), as transformers cache layers.
 
-A layer holds one packed segment (:mod:`rdkv.layout`: the tokens each stream kept, V rows packed by width class,
-16-bit V rows, K per channel block at its width) and zone C, the tokens appended after compression in the 16-bit
+A layer holds one packed segment (:mod:`rdkv.layout`, :mod:`rdkv.pages`: the tokens each stream kept, in pages of
+V rows packed by width class or in 16 bits and K per channel block at its width) and zone C, the tokens appended after compression in the 16-bit
 dtype, whose first sits at absolute position ``c_start``. With a fold policy (:mod:`rdkv.fold`), older zone C
 tokens are packed into further segments (``folds``, each a :class:`TriZoneLayer` without a zone C) covering
 positions ``[fold.start, fold.prefix_len)``.
@@ -92,7 +92,7 @@ class TriZoneLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in self.t.values()) + sum(f.nbytes for f in self.folds)
 
     def segments(self) -> list[TriZoneLayer]:
-        """The packed segments decode reads: the compressed prefix, then every fold."""
+        """The segments decode reads: the compressed prefix, then every fold."""
         return [self, *self.folds]
 
     @property
@@ -102,7 +102,7 @@ class TriZoneLayer(CacheLayerMixin):
 
     def v_widths(self) -> torch.Tensor:
         """V width of every held prefix position [B, H, prefix_len - start] (0 = evicted)."""
-        return pages.v_widths(self) if pages.paged(self) else layout.v_widths(self)
+        return pages.v_widths(self)
 
     def k_widths(self) -> torch.Tensor:
         """K width of every channel, in the model's channel order [B, H, D]."""
@@ -111,46 +111,23 @@ class TriZoneLayer(CacheLayerMixin):
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Zones A+B as dense float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax] (the torch
         reference; the decode paths never unpack a whole segment)."""
-        return pages.dequantize_segment(self) if pages.paged(self) else layout.dequantize(self)
+        return pages.dequantize_segment(self)
 
 
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,
                k_perm: torch.Tensor, spec: PackSpec, dtype16: torch.dtype, sliding_window: int | None,
-               prefix_len: int, paged: bool = False) -> TriZoneLayer:
-    """Pack k, v [B, H, T, D] (absolute positions start..start+T-1) given widths per V token
-    [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D] (the blocks are stored
-    sorted by width, :func:`rdkv.layout.pack`); ``paged``: in pages (:mod:`rdkv.pages`), which only the page
-    kernel reads so far."""
+               prefix_len: int) -> TriZoneLayer:
+    """Pack k, v [B, H, T, D] (absolute positions start..start+T-1) in pages (:func:`rdkv.pages.pack`) given widths
+    per V token [B, H, T] in {0,2,4,8,16}, per K block [B, H, D/k_block] and the channel order [B, H, D] (the blocks
+    are stored sorted by width)."""
     B, H, T, D = k.shape
     S = B * H
-    t = (pages.pack if paged else layout.pack)(k.reshape(S, T, D).float(), v.reshape(S, T, D).float(), start,
-                                               v_width.reshape(S, T), k_bits.reshape(S, D // spec.k_block),
-                                               k_perm.reshape(S, D), spec, dtype16)
+    t = pages.pack(k.reshape(S, T, D).float(), v.reshape(S, T, D).float(), start, v_width.reshape(S, T),
+                   k_bits.reshape(S, D // spec.k_block), k_perm.reshape(S, D), spec, dtype16)
     layer = TriZoneLayer(t, batch=B, heads=H, head_dim=D, start=start, prefix_len=prefix_len, spec=spec,
                          sliding_window=sliding_window, dtype16=dtype16)
     layout.set_zone_c(layer, k.new_zeros(B, H, 0, D, dtype=dtype16), k.new_zeros(B, H, 0, D, dtype=dtype16))
     return layer
-
-
-def repack(seg: TriZoneLayer, paged: bool) -> TriZoneLayer:
-    """A layer in pages (:mod:`rdkv.pages`, ``paged``) or in the packed layout at its allocation (V classes, K block
-    widths, channel order), zone C shared: its dequantized values packed again (V to the same codes, which lie on
-    their own grid; K requantized per scale group, one more rounding; keys stored before RoPE are stored rotated).
-    Compares the two layouts on one cache; a layer with folds, or already in that layout, is refused."""
-    if seg.folds:
-        raise RDKVError("repack converts a layer without folds")
-    if pages.paged(seg) == paged:
-        raise RDKVError(f"the layer is already {'in pages' if paged else 'in the packed layout'}")
-    B, H, D, T = seg.batch, seg.heads, seg.head_dim, seg.prefix_len - seg.start
-    K, V, pos, valid = seg.dequantize()
-    s, i = valid.nonzero(as_tuple=True)
-    k, v = K.new_zeros(B * H, T, D), K.new_zeros(B * H, T, D)
-    k[s, pos[s, i] - seg.start], v[s, pos[s, i] - seg.start] = K[s, i], V[s, i]
-    out = pack_layer(k.view(B, H, T, D), v.view(B, H, T, D), seg.start, seg.v_widths(),
-                     layout.k_bits(seg).view(B, H, -1), layout.k_perm(seg).long().view(B, H, D), seg.spec,
-                     seg.dtype16, seg.sliding_window, seg.prefix_len, paged=paged)
-    layout.set_zone_c(out, *layout.zone_c(seg))
-    return out
 
 
 def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tensor, k_opt: torch.Tensor,
@@ -159,8 +136,7 @@ def pack_choice(k: torch.Tensor, v: torch.Tensor, start: int, v_opt: torch.Tenso
     """Pack an allocation given as option indices into ``quant.WIDTHS`` (V per token [B, H, T], K per
     block [B, H, nb] in the channel order ``perm`` [B, H, D]) in pages."""
     widths = torch.tensor(quant.WIDTHS, device=k.device)
-    return pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, dtype16, sliding_window, prefix_len,
-                      paged=True)
+    return pack_layer(k, v, start, widths[v_opt], widths[k_opt], perm, spec, dtype16, sliding_window, prefix_len)
 
 
 SIGNATURE = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",

@@ -15,8 +15,6 @@ other processes leave free, the model's matmuls included: :mod:`rdkv.contention`
 ``--compare REV`` adds the CPU decode path as it was at git revision REV (its ``rdkv/cpu_decode.py``, with the
 thread handling that file had, and none at the level of the pass), timed in the same turns, so a change to the
 path is measured against its predecessor on one machine state.
-``--packed`` adds every cache re-packed in the packed layout that preceded pages (:func:`rdkv.trizone.repack`, same
-allocation) through the same CPU decode.
 ``--keep-freed`` has glibc keep the memory a step frees (:func:`keep_freed_memory`) for every row alike.
 """
 from __future__ import annotations
@@ -38,7 +36,6 @@ import torch
 
 import rdkv
 from rdkv import contention, cpu_decode
-from rdkv.trizone import TriZoneLayer, repack
 
 LOAD = ("import os, torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nparent = os.getppid()\n"
         "while os.getppid() == parent:  # ends with the benchmark, however it ends\n    a @ a\n")
@@ -86,24 +83,15 @@ def _none() -> None:
     """A revision without thread handling at the level of the pass."""
 
 
-def packed_twin(cache):
-    """The cache with every compressed layer re-packed in the packed layout at the same allocation."""
-    twin = copy.copy(cache)
-    twin.layers = [repack(layer, paged=False) if isinstance(layer, TriZoneLayer) else layer for layer in cache.layers]
-    return twin
-
-
 def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: str, thread_counts: list[int],
-            previous=None, packed: dict | None = None) -> dict[tuple[int, str], float]:
+            previous=None) -> dict[tuple[int, str], float]:
     """Best-of-``repeats`` ms per token of every path, in turns; the full cache through the attention
     implementation ``plain``, each under every count of ``thread_counts``, keyed (threads, path);
-    ``previous``: an earlier version of the CPU decode module, timed as "previous"; ``packed``: the caches in
-    the packed layout, timed as "packed"."""
+    ``previous``: an earlier version of the CPU decode module, timed as "previous"."""
     best: dict[tuple[int, str], float] = {}
     current = cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass
     paths = [("torch", "torch", current)] + ([("previous", "torch", (previous.trizone_attention, _none, _none))]
                                              if previous else [])
-    paths += [("packed", "torch", current)] if packed else []
     paths.append(("reference", "reference", current))
     most = torch.get_num_threads()
     for _ in range(repeats):
@@ -117,7 +105,7 @@ def measure(model, ids, full, caches: dict, tokens: int, repeats: int, plain: st
                 for name, backend, fns in paths:
                     os.environ["RDKV_BACKEND"] = backend
                     cpu_decode.trizone_attention, contention.begin_pass, contention.end_pass = fns
-                    for budget, cache in (packed if name == "packed" else caches).items():
+                    for budget, cache in caches.items():
                         key = (threads, f"{name} {budget:g}")
                         best[key] = min(best.get(key, 1e9), ms_per_token(model, ids, cache, tokens))
             finally:
@@ -137,7 +125,6 @@ def main() -> None:
     ap.add_argument("--load", action="store_true", help="also measure beside a competing 2-thread matmul")
     ap.add_argument("--compare", metavar="REV", help="also time rdkv/cpu_decode.py as it was at this git revision")
     ap.add_argument("--keep-freed", action="store_true", help="have glibc keep freed memory (every row alike)")
-    ap.add_argument("--packed", action="store_true", help="also time the caches in the packed layout")
     args = ap.parse_args()
     if args.keep_freed:
         keep_freed_memory()
@@ -148,9 +135,8 @@ def main() -> None:
     print(f"{args.model} fp32, torch {torch.__version__}, {os.cpu_count()} CPUs ({platform.machine()}), "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}; greedy generate of {args.tokens} tokens, "
           f"best of {args.repeats}{'; glibc keeps freed memory' if args.keep_freed else ''}\n")
-    names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "packed": "CPU decode, packed layout",
-             "reference": "oracle"}
-    paths = [p for p in names if (p != "previous" or previous) and (p != "packed" or args.packed)]
+    names = {"torch": "CPU decode", "previous": f"CPU decode at {args.compare}", "reference": "oracle"}
+    paths = [p for p in names if p != "previous" or previous]
     thread_counts = list(dict.fromkeys((torch.get_num_threads(), 1)))  # torch's setting, then one thread
     cols = [f"{p} {x:g}" for p in paths for x in args.budgets]
     print("| context | machine | threads | full cache ms/token | " + " | ".join(
@@ -167,8 +153,7 @@ def main() -> None:
             try:
                 if load:
                     time.sleep(2)
-                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain, thread_counts, previous,
-                               {b: packed_twin(c) for b, c in caches.items()} if args.packed else None)
+                best = measure(model, ids, full, caches, args.tokens, args.repeats, plain, thread_counts, previous)
             finally:
                 if load:
                     load.kill()

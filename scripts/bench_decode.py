@@ -5,7 +5,8 @@ One attention layer shaped like Llama-3.1-8B (8 KV heads, 4 query heads per KV h
 one new token (L = 1) on top of a compressed prefix of ``context`` tokens plus a 16-token zone C.
 For every (context, batch, budget) it times
 
-* ``trizone``   the fused Triton kernel (``--device cuda``) or the torch reference (``--device cpu``);
+* ``trizone``   the fused Triton kernel over pages (``rdkv.kernels.page_decode``, ``--device cuda``) or the torch
+                reference (``--device cpu``);
 * ``sdpa-full`` torch SDPA over the full fp16 cache (FlashAttention backend on GPU; the G query heads
                 of a KV head ride as G query rows of one head, which is exact for decode);
 * ``flash-full`` the split-K flash-decoding kernel over the full fp16 cache (``rdkv.kernels.flash_decode``,
@@ -13,10 +14,8 @@ For every (context, batch, budget) it times
                 is against the faster of the two full-cache paths, ``best full``;
 * ``deq-sdpa``  dequantize the TriZone layer to fp16 (``TriZoneLayer.dequantize``) and run SDPA over it,
                 i.e. what a format without a fused kernel has to do every step;
-* ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K block
+* ``pre-RoPE``  the same layer holding pre-RoPE keys (``prerope=True``): the kernel rotates every K channel
                 to its tokens' positions inside the dots, so this column is the price of that rotation;
-* ``page``      a layer of the same generator and budget in pages (``rdkv.pages``) through the page kernel
-                (``rdkv.kernels.page_decode``, GPU only);
 
 and reports bytes the TriZone step reads (every tensor of the layer plus q: each byte is read once) per
 second, as a fraction of the GPU's peak memory bandwidth (nominal figure for known GPUs, and the
@@ -111,25 +110,23 @@ def synth_allocation(B: int, T: int, keep: float, seed: int = 0):
     return vw, kb.view(B, H, -1), perm.view(B, H, D)
 
 
-def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, dtype=torch.float16,
-                paged: bool = False):
-    """A layer packed from random K/V with :func:`synth_allocation` (in pages if ``paged``) and ``FRESH`` zone C
-    tokens."""
+def synth_layer(B: int, T: int, keep: float, dev: torch.device, seed: int = 0, dtype=torch.float16):
+    """A layer packed from random K/V with :func:`synth_allocation` and ``FRESH`` zone C tokens."""
     k = torch.randn(B, H, T, D, device=dev, dtype=dtype)
     v = torch.randn(B, H, T, D, device=dev, dtype=dtype)
     vw, kb, perm = synth_allocation(B, T, keep, seed)
-    layer = pack_layer(k, v, 0, vw.to(dev), kb.to(dev), perm.to(dev), SPEC, dtype, None, T, paged=paged)
+    layer = pack_layer(k, v, 0, vw.to(dev), kb.to(dev), perm.to(dev), SPEC, dtype, None, T)
     layer.update(torch.randn(B, H, FRESH, D, device=dev, dtype=dtype), torch.randn(B, H, FRESH, D, device=dev, dtype=dtype))
     del k, v
     return layer
 
 
-def calibrated_layer(B, T, budget, dev, dtype=torch.float16, paged: bool = False):
+def calibrated_layer(B, T, budget, dev, dtype=torch.float16):
     """Pack at a first-guess kept fraction, then once more at the fraction that hits the budget."""
     fp16 = 2 * B * H * T * D * 2
     keep = budget / 0.45
     for _ in range(2):
-        layer = synth_layer(B, T, min(1.0, keep), dev, dtype=dtype, paged=paged)
+        layer = synth_layer(B, T, min(1.0, keep), dev, dtype=dtype)
         ratio = (layer.nbytes - 2 * B * H * FRESH * D * 2) / fp16
         keep *= budget / ratio
     return layer, ratio
@@ -183,21 +180,17 @@ def peak_bandwidth(dev: torch.device) -> tuple[str, float | None, float | None]:
     return name, nominal, 2 * x.numel() / secs
 
 
-# launch settings the H200 sweeps left close (docs/results/gpu/); a register cap trades spills for more
-# programs per SM, num_stages pipelines the tile loop's loads
-SWEEP = [dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=8, maxnreg=128), dict(block_n=128, num_warps=4),
-         dict(block_n=64, num_warps=4, maxnreg=128), dict(block_n=128, num_warps=4, maxnreg=128),
-         dict(block_n=256, num_warps=4), dict(block_n=32, num_warps=4), dict(block_n=64, num_warps=8, num_stages=2),
-         dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
-         dict(block_n=64, num_warps=4, num_stages=4),
-         dict(block_n=64, num_warps=4, num_stages=3, maxnreg=128)]
+# launch settings of the page kernel around its default (docs/kernels.md): warps, tokens per tile (at most a page),
+# pipelining of the page loop, a register cap that trades spills for programs per SM
+SWEEP = [dict(), dict(num_warps=8), dict(num_warps=4), dict(block_n=32), dict(num_warps=4, num_stages=2),
+         dict(num_warps=8, num_stages=2), dict(num_warps=4, maxnreg=128), dict(num_warps=8, maxnreg=128)]
 
 
 def sweep(spec: str, dev: torch.device, out: str | None):
     """Graph time of the fused step over launch settings (tokens per tile, warps, pipelining, register cap)
     at one (context, batch, budget), each checked against the torch reference: the measurement behind
     ``launch_config``'s choices. Returns the fastest setting as a ``LaunchConfig`` (None if none ran)."""
-    from rdkv.kernels.trizone_decode import LaunchConfig, trizone_decode
+    from rdkv.kernels.page_decode import LaunchConfig, page_decode
     from rdkv.reference import trizone_attention
 
     T, B, budget = int(spec.split(",")[0]), int(spec.split(",")[1]), float(spec.split(",")[2])
@@ -215,14 +208,14 @@ def sweep(spec: str, dev: torch.device, out: str | None):
         launch = LaunchConfig(**combo)
         t = err = None
         try:
-            err = float((trizone_decode(q, layer, D ** -0.5, launch=launch).float() - want).abs().max())
-            g = graphed(lambda: trizone_decode(q, layer, D ** -0.5, launch=launch))
+            err = float((page_decode(q, layer, D ** -0.5, launch=launch).float() - want).abs().max())
+            g = graphed(lambda: page_decode(q, layer, D ** -0.5, launch=launch))
             t = bench(g) if g else None
         except Exception as e:  # a setting the compiler refuses (e.g. out of registers): say so, go on
             print(f"{combo}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         if t and err is not None and err < 1e-2 and t < best[0]:
             best = (t, launch)
-        row = (f"| {launch.block_n} | {launch.num_warps} | {launch.num_stages or 1} | {launch.maxnreg or '-'} | "
+        row = (f"| {launch.block_n or '-'} | {launch.num_warps or '-'} | {launch.num_stages or 1} | {launch.maxnreg or '-'} | "
                f"{t * 1e6 if t else float('nan'):.1f} | {read / t / 1e9 if t else float('nan'):.0f} | "
                f"{err if err is not None else float('nan'):.1e} |")
         print(row, flush=True)
@@ -267,13 +260,12 @@ def main(argv=None) -> int:
     budgets = a.budgets or [0.025, 0.10, 0.25]
     setting = ""
     if dev.type == "cuda":
-        from rdkv.kernels.page_decode import page_decode
-        from rdkv.kernels.trizone_decode import launch_config, trizone_decode
+        from rdkv.kernels.page_decode import page_decode, page_launch_config
 
-        cfg = launch_config(D, 16, torch.float16, override=launch)
+        cfg = page_launch_config(D, 16, torch.float16, launch)
         setting = (f"block_n {cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stage(s)"
                    + (f", at most {cfg.maxnreg} registers" if cfg.maxnreg else ""))
-        fused = lambda q, layer, scaling: trizone_decode(q, layer, scaling, launch=launch)  # noqa: E731
+        fused = lambda q, layer, scaling: page_decode(q, layer, scaling, launch=launch)  # noqa: E731
     else:
         from rdkv.reference import trizone_attention as fused
     bench = timer(dev, a.quick)
@@ -308,13 +300,6 @@ def main(argv=None) -> int:
             tg_rope = bench(g_rope) if g_rope else bench(step)
             del g_rope
             layout.set_rope_table(layer, None)
-            tg_page = page_ratio = None
-            if dev.type == "cuda":  # the same generator and budget in pages, through the page kernel (graph time)
-                paged, page_ratio = calibrated_layer(B, T, budget, dev, paged=True)
-                g_page = graphed(lambda: page_decode(q, paged, scaling))
-                tg_page = bench(g_page) if g_page else None
-                page_read = paged.nbytes + q.numel() * q.element_size()
-                del g_page, paged
             t_deq = None
             if not a.no_deq:
                 def deq_sdpa():
@@ -332,9 +317,6 @@ def main(argv=None) -> int:
                              trizone_us=t_tz * 1e6, sdpa_full_us=t_full * 1e6, deq_sdpa_us=t_deq * 1e6 if t_deq else None,
                              trizone_graph_us=tg_tz * 1e6 if tg_tz else None,
                              rope_us=tg_rope * 1e6,
-                             page_us=tg_page * 1e6 if tg_page else None, page_bytes_ratio=page_ratio,
-                             page_GBps=page_read / tg_page / 1e9 if tg_page else None,
-                             page_speedup_vs_best_full=t_best_full / tg_page if tg_page else None,
                              sdpa_full_graph_us=tg_full * 1e6 if tg_full else None,
                              flash_full_us=t_anchor * 1e6 if t_anchor else None, flash_setting=anchor_setting,
                              flash_full_bw_GBps=full_bytes / t_anchor / 1e9 if t_anchor else None,
@@ -351,7 +333,6 @@ def main(argv=None) -> int:
                   + (f"  flash-full {r['flash_full_us']:.1f} us" if t_anchor else "")
                   + f"  x{r['speedup_vs_best_full']:.2f} vs best full"
                   + f"  pre-RoPE {r['rope_us']:.1f} us"
-                  + (f"  page {r['page_us']:.1f} us x{r['page_speedup_vs_best_full']:.2f}" if tg_page else "")
                   + f"  {r['bw_GBps']:.0f} GB/s", flush=True)
             layer = None
             if dev.type == "cuda":
@@ -366,13 +347,11 @@ def main(argv=None) -> int:
              "Eager times include Python launch overhead; graph times replay the step in a CUDA graph (GPU time). "
              "GB/s = bytes the TriZone step reads / its graph time (eager time if no graph). flash-full = the split-K "
              "anchor over the full cache (graph time, fastest setting of ANCHOR_SETTINGS; its GB/s = full-cache bytes / "
-             "time); x best = best full-cache time (SDPA graph or flash-full) / TriZone graph time. page = the same "
-             "allocation in pages (rdkv.pages) through the page kernel (rdkv.kernels.page_decode), graph time; its "
-             "GB/s = its layer's bytes / time.",
+             "time); x best = best full-cache time (SDPA graph or flash-full) / TriZone graph time.",
              "", "| context | batch | budget | bytes/fp16 | kept | TriZone us | SDPA full us | x vs full | TriZone graph us | "
              "SDPA graph us | x graph | flash-full us | flash-full GB/s | x best | pre-RoPE us | deq+SDPA us | x vs deq | "
-             "GB/s read | of peak | of copy | page us | page GB/s | page of peak | page x best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "GB/s read | of peak | of copy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = lambda x, fmt: (fmt.format(x) if x is not None else "-")  # noqa: E731
         lines.append(f"| {r['context']} | {r['batch']} | {r['budget']:.3f} | {r['bytes_ratio']:.3f} | {r['kept']:.3f} | "
@@ -382,10 +361,7 @@ def main(argv=None) -> int:
                      f"{f(r['flash_full_bw_GBps'], '{:.0f}')} | {r['speedup_vs_best_full']:.2f} | {r['rope_us']:.1f} | "
                      f"{f(r['deq_sdpa_us'], '{:.1f}')} | "
                      f"{f(r['speedup_vs_deq'], '{:.2f}')} | {r['bw_GBps']:.0f} | "
-                     f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} | {f(r['page_us'], '{:.1f}')} | "
-                     f"{f(r['page_GBps'], '{:.0f}')} | "
-                     f"{f(r['page_GBps'] and nominal and r['page_GBps'] * 1e9 / nominal, '{:.0%}')} | "
-                     f"{f(r['page_speedup_vs_best_full'], '{:.2f}')} |")
+                     f"{f(r['frac_peak'], '{:.0%}')} | {f(r['frac_copy'], '{:.0%}')} |")
     text = "\n".join(lines) + "\n"
     print(text)
     save_outputs(a.out, "bench_decode", text, dict(device=name, nominal_bw=nominal, copy_bw=copy_bw, rows=rows))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Compile every variant of the Triton kernels (TriZone decode over packed segments and over pages, its merge, the
-full-cache anchor; compress side: quantize + pack, token weights) for sm_90 and sm_80 without a GPU.
+"""Compile every variant of the Triton kernels (TriZone decode over pages, its merge, the full-cache anchor; compress
+side: quantize + pack, token weights) for sm_90 and sm_80 without a GPU.
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` runs the whole pipeline down to
 a cubin (decode kernels are compiled as launched: the launcher runs on a small CPU layer with the kernels
@@ -37,14 +37,12 @@ def variants(quick: bool) -> list[dict]:
     """(head_dim, query dtype, query rows per program, flags) variants the launcher can produce."""
     out = []
     if quick:
-        for D in (64, 128, 256):
-            out.append(dict(D=D, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16))
+        for D, dtype in ((64, "bf16"), (128, "fp16"), (256, "fp32")):
+            out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16))
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, vg=(64, 32, 32)))
         out.append(dict(D=256, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, rope=True))
         out.append(dict(D=256, dtype="fp16", GL=64, L=8, flags=(False, False, False), kb=16, kernel="merge"))
         out.append(dict(D=128, dtype="fp16", GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
-        for D, dtype in ((64, "bf16"), (128, "fp16"), (256, "fp32")):
-            out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="page"))
         return out
     for D, dtype in itertools.product((64, 128, 256), ("fp16", "bf16", "fp32")):  # the full-cache anchor
         out.append(dict(D=D, dtype=dtype, GL=4, L=1, flags=(False, False, False), kb=16, kernel="flash"))
@@ -58,8 +56,6 @@ def variants(quick: bool) -> list[dict]:
         out.append(dict(D=D, dtype="fp16", GL=24, L=3, flags=(False, False, False), kb=16, vg=(64, 32, 16)))  # per width
     for D, dtype, (GL, L) in itertools.product((64, 128, 256), ("fp16", "fp32"), ((4, 1), (64, 8))):
         out.append(dict(D=D, dtype=dtype, GL=GL, L=L, flags=(False, False, False), kb=16, rope=True))  # pre-RoPE keys
-    # the page kernel (rdkv.kernels.page_decode) over the same layers in pages
-    out += [dict(v, kernel="page") for v in out if "kernel" not in v]
     return out
 
 
@@ -104,11 +100,10 @@ def compile_as_launched(fn, args, kwargs, arch: int):
 
 
 def decode_call(v: dict):
-    """A TriZone decode call of variant ``v`` on CPU tensors (a small random layer with every V and K width; in pages
-    for the page kernel)."""
+    """A TriZone decode call of variant ``v`` on CPU tensors (a small random layer with every V and K width)."""
     import torch
 
-    from rdkv.kernels import page_decode, trizone_decode
+    from rdkv.kernels import page_decode
     from rdkv import layout
     from rdkv.layout import PackSpec
     from rdkv.trizone import pack_layer
@@ -124,16 +119,14 @@ def decode_call(v: dict):
     kb = widths[torch.randint(0, 5, (B, H, D // v["kb"]), generator=g)].sort(-1).values
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
     k, val = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
-    page = v.get("kernel") == "page"
     layer = pack_layer(k, val, 0, vw, kb, perm, spec, torch.bfloat16 if v["dtype"] == "bf16" else torch.float16,
-                       64 if window else None, T, paged=page)
+                       64 if window else None, T)
     layer.update(torch.randn(B, H, L + 2, D, generator=g), torch.randn(B, H, L + 2, D, generator=g))
     if v.get("rope"):
         layout.set_rope_table(layer, torch.cat([10000.0 ** -(torch.arange(0, D, 2) / D), torch.ones(1)]))
     q = torch.randn(B, H * (GL // L), L, D, generator=g).to(dtype)
     bool_mask = torch.ones(B, 1, L, layer.get_seq_length(), dtype=torch.bool) if mask else None
-    decode = page_decode.page_decode if page else trizone_decode.trizone_decode
-    return lambda: decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)
+    return lambda: page_decode.page_decode(q, layer, D ** -0.5, None, 30.0 if softcap else None, bool_mask)
 
 
 def resource_usage(kernel, arch: int) -> dict:
@@ -187,17 +180,13 @@ def compile_one(v: dict, arch: int) -> dict:
     """Compile the attention, merge or anchor kernel of a decode variant exactly as its launch would."""
     from rdkv.kernels import flash_decode as fd
     from rdkv.kernels import page_decode as pd
-    from rdkv.kernels import trizone_decode as m
 
     if v.get("kernel") == "flash":
         m, name = fd, "_flash_decode"
         calls = recorded(fd, (name, "_lse_merge"), flash_call(v))
-    elif v.get("kernel") == "page":
-        m, name = pd, "_page_attn"
-        calls = recorded(pd, (name, "_lse_merge"), decode_call(v))
     else:
-        name = "_lse_merge" if v.get("kernel") == "merge" else "_trizone_attn"
-        calls = recorded(m, ("_trizone_attn", "_lse_merge"), decode_call(v))
+        m, name = pd, "_lse_merge" if v.get("kernel") == "merge" else "_page_attn"
+        calls = recorded(pd, ("_page_attn", "_lse_merge"), decode_call(v))
     grid, args, kwargs = calls[name][0]
     t0 = time.time()
     k = compile_as_launched(getattr(m, name), args, kwargs, arch)
@@ -216,15 +205,15 @@ def compress_variants(quick: bool) -> list[dict]:
     none = (False, False, False)
     if quick:
         return [dict(kernel="qrows", bits=2, group=128, dtype="fp16"),
-                dict(kernel="qcols", bits=2, group=128, C=16, dtype="fp16"),
+                dict(kernel="qcols", bits=2, group=64, C=128, dtype="fp16"),
                 dict(kernel="tw_rows", D=128, dtype="fp16", rows=256, flags=none),
                 dict(kernel="tw_cols", D=128, dtype="fp16", rows=256, flags=none)]
     out = [dict(kernel="qrows", bits=b, group=g, dtype="fp16") for b, g in itertools.product((2, 4, 8), (32, 64, 128))]
     out += [dict(kernel="qrows", bits=2, group=128, dtype="fp32"), dict(kernel="qrows", bits=2, group=128, dtype="bf16"),
             dict(kernel="qrows", bits=8, group=1024, dtype="fp32")]  # the largest row tile the launcher allows
     out += [dict(kernel="qcols", bits=b, group=g, C=C, dtype="fp16")
-            for b, g, C in itertools.product((2, 4, 8), (7, 128), (16, 128))]
-    out.append(dict(kernel="qcols", bits=2, group=128, C=128, dtype="fp32"))
+            for b, g, C in itertools.product((2, 4, 8), (16, 64), (64, 128, 256))]  # K: a page of channels at a width
+    out.append(dict(kernel="qcols", bits=2, group=64, C=128, dtype="fp32"))
     for kern, D in itertools.product(("tw_rows", "tw_cols"), (64, 128, 256)):
         out += [dict(kernel=kern, D=D, dtype="fp16", rows=16, flags=none),  # one 16-row block (e.g. G=1, M=16)
                 dict(kernel=kern, D=D, dtype="fp16", rows=256, flags=none),  # 64-row blocks (window 64 x G=4)
@@ -318,7 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", help="comma-separated filters key=value on variants, e.g. dtype=fp32,D=256")
     ap.add_argument("--family", choices=("all", "decode", "compress"), default="all",
-                    help="decode: kernels/trizone_decode.py, lse_merge.py and flash_decode.py; compress: kernels/quantize_pack.py and token_weights.py")
+                    help="decode: kernels/page_decode.py, lse_merge.py and flash_decode.py; compress: kernels/quantize_pack.py and token_weights.py")
     a = ap.parse_args(argv)
     archs = a.arch or ([90] if a.quick else [90, 80])
     want = dict(kv.split("=") for kv in a.only.split(",")) if a.only else {}

@@ -185,8 +185,7 @@ def allocated(model, ids: torch.Tensor, seed: int) -> TriZoneCache:
         v_width = widths[torch.randint(0, len(widths), (B, H, T), generator=g)]
         k_bits = widths[(torch.arange(B * H * nb) + i) % len(widths)].view(B, H, nb)
         perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
-        layers.append(pack_layer(kv.keys, kv.values, 0, v_width, k_bits, perm, spec, torch.float16, None, T,
-                                 paged=True))
+        layers.append(pack_layer(kv.keys, kv.values, 0, v_width, k_bits, perm, spec, torch.float16, None, T))
     return TriZoneCache(layers, fp16_bytes=sum(layout.fp16_bytes(T, H * D) for _ in layers), budget=None,
                         method=None, model=model_signature(model))
 

@@ -4,8 +4,9 @@
 #   1. environment facts (nvidia-smi, torch/triton versions, the commit);
 #   2. tests: the kernel tests compiled for the GPU (RDKV_TEST_DEVICE=cuda: the interpreter's cases plus bf16
 #      queries), TriZone decode, the full-cache flash-decoding anchor and the compress side;
-#   3. bench: the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%): the packed kernel and the
-#      page kernel, with the anchor at its fastest setting beside SDPA, every ratio against the faster of the two;
+#   3. bench: the decode benchmark (contexts 8k/32k/128k, batch 1/8, budgets 2.5/10/25%): the page kernel, with the
+#      full-cache anchor at its fastest setting beside SDPA, every ratio against the faster of the two (the kernel
+#      over the packed layout pages replaced measured 398 GB/s on the H200, docs/kernels.md);
 #   4. generate: end-to-end ms per token of a Llama-3.1-8B-shaped model (random bf16 weights) at 32k/128k,
 #      batch 1/8, full cache vs rdkv at 10%/25% (scripts/bench_generate.py);
 #   5. compress: the compress-side kernels against their torch paths (scripts/bench_compress_kernels.py);
@@ -38,10 +39,10 @@ pick_python() {
 }
 PY=$(pick_python) || { echo "no python with a CUDA torch + triton found (set PYTHON=...)" | tee "$OUT/env.txt"; exit 2; }
 # make `import rdkv` / `rdkv.kernels` work from this checkout even if the package is not installed here
-if ! "$PY" -c "import rdkv.kernels.trizone_decode" 2>/dev/null; then
+if ! "$PY" -c "import rdkv.kernels.page_decode" 2>/dev/null; then
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
 fi
-if ! "$PY" -c "import rdkv.kernels.trizone_decode" 2>/dev/null; then
+if ! "$PY" -c "import rdkv.kernels.page_decode" 2>/dev/null; then
     # no install possible (offline): a shadow package of symlinks with the setup.cfg mapping
     # rdkv.kernels -> kernels/, rdkv.solvers -> solvers/
     SHADOW=$(mktemp -d)
@@ -108,8 +109,8 @@ fi
 if stage profile; then
     # hardware counters of one decode launch at 128k, batch 8, 10% (ncu reads them on Firecracker
     # machines; --clock-control none leaves the clocks alone): occupancy, memory throughput, stall reasons
-    echo "== ncu: one _trizone_attn launch =="
-    timeout "${PROFILE_TIMEOUT:-150}" ncu --clock-control none --kernel-name regex:_trizone_attn --launch-skip 3 --launch-count 1 \
+    echo "== ncu: one _page_attn launch =="
+    timeout "${PROFILE_TIMEOUT:-150}" ncu --clock-control none --kernel-name regex:_page_attn --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         --section LaunchStats --section SchedulerStats \
         "$PY" scripts/bench_decode.py --device cuda --contexts 131072 --batches 8 --budgets 0.1 --no-deq --quick 2>&1 | tee "$OUT/ncu.txt"

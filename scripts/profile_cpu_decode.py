@@ -6,8 +6,8 @@ One prefill of GPL-3 text, compressed at ``--budget``; then one new token's atte
 median microseconds of ``rdkv.cpu_decode``, ``rdkv.reference`` and SDPA over the same layer's full fp32 cache,
 with 2 and 1 threads, on an idle machine and beside a 2-thread matmul, and the share of the CPU path's wall
 time its calling thread was on a core (beside the load, on two threads, each op waits for a descheduled
-thread); then the bytes the CPU path keeps between steps (none), the scratch it holds while a forward pass
-runs, its top-level torch ops per step and torch.profiler's top ops.
+thread); then the bytes the CPU path keeps between steps (none), its top-level torch ops per step and
+torch.profiler's top ops.
 """
 from __future__ import annotations
 
@@ -81,8 +81,7 @@ def main() -> None:
 
     with profile() as prof:
         paths["CPU path"]()
-    print(f"\nkept between steps: {layer.nbytes - packed:,} B; scratch held while a pass runs (shared by its layers, "
-          f"freed after the last): {cpu_decode.scratch_bytes():,} B; {sum(e.cpu_parent is None for e in prof.events())} "
+    print(f"\nkept between steps: {layer.nbytes - packed:,} B; {sum(e.cpu_parent is None for e in prof.events())} "
           "top-level torch ops per step")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 

@@ -143,42 +143,30 @@ def test_a_hanging_compiler_falls_back_in_time_once(monkeypatch, tmp_path):
 @needs_cc
 def test_launchers_reject_what_does_not_fit():
     layer = build(seed=1, B=1, H=2, T=200, D=64, n_c=0)
-    counts = layout.counts(layer).numpy().astype(np.int64)
-    stored = {w: layout.v_rows(layer, w) for w in (2, 4, 8, 16)}
-    groups = {w: layer.spec.v_group_of(w) for w in (2, 4, 8)}
-    N = int(counts.sum(1).max())
-    out, p = torch.zeros(2, 3, 64), torch.rand(2, 3, N)
-    cpu_dequant.attend(out, p, stored, groups, counts)
-    with pytest.raises(RDKVError, match="attend: p must be float32"):
-        cpu_dequant.attend(out, p[..., :-1], stored, groups, counts)
-    with pytest.raises(RDKVError, match="attend: p must be float32"):
-        cpu_dequant.attend(out, p.transpose(0, 1).contiguous().transpose(0, 1), stored, groups, counts)
-    with pytest.raises(RDKVError, match="counts: expected a contiguous int64 array"):
-        cpu_dequant.attend(out, p, stored, groups, counts.astype(np.int32))
+    seg = cpu_decode._page_segment(layer)
+    N = int(layout.counts(layer).long().sum(1).max())
+    out, p, q = torch.zeros(2, 3, 64), torch.rand(2, 3, N), torch.rand(2, 3, 64)
+    cpu_dequant.page_attend(out, p, seg)
+    for bad in (p[..., :-1], p.transpose(0, 1).contiguous().transpose(0, 1), p.double()):
+        with pytest.raises(RDKVError, match="page_attend: p must be float32"):
+            cpu_dequant.page_attend(out, bad, seg)
     with pytest.raises(RDKVError, match="out: expected a contiguous CPU tensor"):
-        cpu_dequant.attend(out.half(), p, stored, groups, counts)
-    bad = {**stored, 4: (stored[4][0][:-1], stored[4][1], stored[4][2])}
-    with pytest.raises(RDKVError, match="class 4 codes"):
-        cpu_dequant.attend(out, p, bad, groups, counts)
-    codes, scale, zero = layout.k_rows(layer, 4)
-    kb, kg = layer.spec.k_block, layer.spec.k_group
-    one = np.array([0]), np.array([min(len(codes), 10)]), np.array([0])
-    past = np.array([len(codes) - 1]), np.array([2]), np.array([0])
-    cpu_dequant.keys(torch.empty(1, kb, 16), {4: (codes, scale, zero)}, kg, np.array([4]), *one)
-    with pytest.raises(RDKVError, match="keys: a pair runs past its width's stored rows"):
-        cpu_dequant.keys(torch.empty(1, kb, 16), {4: (codes, scale, zero)}, kg, np.array([4]), *past)
-
-    def scores(width, row0, n, group0, stream):
-        cpu_dequant.scores(torch.zeros(2, 3, 16), {4: (codes, scale, zero)}, kg, np.array([width]), row0, n, group0,
-                           np.array([stream]), torch.rand(1, 3, kb))
-
-    scores(4, *one, 1)
-    with pytest.raises(RDKVError, match="runs past its width's stored rows"):
-        scores(4, *past, 1)
-    with pytest.raises(RDKVError, match="stream is outside 0..1"):
-        scores(4, *one, 2)
-    with pytest.raises(RDKVError, match="widths must be in"):
-        scores(3, *one, 1)
+        cpu_dequant.page_attend(out.half(), p, seg)
+    pos = torch.zeros(2, N, dtype=torch.long)
+    cpu_dequant.page_scores(torch.zeros(2, 3, N), seg, q, pos)
+    with pytest.raises(RDKVError, match=f"page_scores: out has {N - 1} columns, a stream holds {N} tokens"):
+        cpu_dequant.page_scores(torch.zeros(2, 3, N - 1), seg, q)
+    with pytest.raises(RDKVError, match="q: expected a contiguous CPU tensor"):
+        cpu_dequant.page_scores(torch.zeros(2, 3, N), seg, q.half())
+    with pytest.raises(RDKVError, match="positions: expected"):
+        cpu_dequant.page_scores(torch.zeros(2, 3, N), seg, q, pos.int())
+    cpu_dequant.page_keys(torch.empty(2, 64, N), pos, seg)
+    with pytest.raises(RDKVError, match=f"page_keys: out has {N - 1} columns"):
+        cpu_dequant.page_keys(torch.empty(2, 64, N - 1), pos[:, 1:].contiguous(), seg)
+    with pytest.raises(RDKVError, match="table: expected a contiguous int64 array"):
+        cpu_dequant.page_attend(out, p, seg._replace(table=seg.table.astype(np.int32)))
+    with pytest.raises(RDKVError, match="channel means"):
+        cpu_dequant.page_attend(out, p, seg._replace(k_mean=seg.k_mean.float()))
 
 
 @needs_cc
@@ -203,12 +191,12 @@ def test_the_result_does_not_depend_on_the_thread_count():
 @needs_cc
 def test_the_cpu_path_scores_and_attends_in_c_where_it_builds(monkeypatch):
     calls = []
-    for name in ("scores", "attend", "keys"):
+    for name in ("page_scores", "page_attend", "page_keys"):
         fn = getattr(cpu_dequant, name)
         monkeypatch.setattr(cpu_dequant, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
     layer = build(seed=3, B=1, H=2, T=300, D=64, n_c=2)
     cpu_decode.trizone_attention(torch.randn(1, 4, 1, 64), layer, 0.125)
-    assert calls == ["scores", "attend"]
+    assert calls == ["page_scores", "page_attend"]
 
 
 SANITIZED = ["tests/test_untrusted_file.py", "tests/test_cpu_dequant.py::test_launchers_reject_what_does_not_fit",
@@ -217,18 +205,19 @@ SANITIZED = ["tests/test_untrusted_file.py", "tests/test_cpu_dequant.py::test_la
         "test_every_mix_of_width_classes_and_unsorted_k_blocks", "test_ragged_and_empty_streams",
         "test_sliding_windows_masks_and_softcap", "test_folds_and_other_pack_specs")]
 OVERFLOW = """
-import ctypes, numpy as np, os
+import ctypes, numpy as np, os, torch
+from rdkv import pages
 from rdkv.kernels import cpu_dequant
+from rdkv.layout import PackSpec
 lib = cpu_dequant.bind(ctypes.CDLL(os.environ["RDKV_TEST_C_LIBRARY"]))
-codes = np.zeros((4, 8), np.uint8)  # 4 rows of 16 channels at 4 bits, and a pair that reads 8 rows from row 2
-P, I = ctypes.c_void_p * 5, ctypes.c_int64
-one = lambda v: np.array([v], np.int64)
-width, row0, n, group0 = one(2), one(2), one(8), one(0)
-scale = np.ones((4, 16), np.float16)
-out = np.zeros((1, 16, 8), np.float32)
-lib.rdkv_keys(P(None, None, codes.ctypes.data, None, None), P(None, None, scale.ctypes.data, None, None),
-              P(None, None, scale.ctypes.data, None, None), 0, 16, 128, width.ctypes.data, row0.ctypes.data,
-              n.ctypes.data, group0.ctypes.data, 1, 8, out.ctypes.data, 1)
+spec = PackSpec(v_group=32, k_group=64, k_block=16)
+t = pages.pack(torch.randn(1, 32, 64), torch.randn(1, 32, 64), 0, torch.full((1, 32), 4), torch.full((1, 4), 4),
+               torch.arange(64).expand(1, 64), spec, torch.float16, page=16)
+table = cpu_dequant.page_table(pages.plan(t, spec, 64, 32, 16))
+buf = t["pages"].numpy()[:-16].copy()  # the last page's last positions cut off
+q, out, pos = np.zeros((1, 1, 64), np.float32), np.zeros((1, 1, 32), np.float32), np.zeros((1, 32), np.int64)
+lib.rdkv_page_scores(buf.ctypes.data, table.ctypes.data, None, 0, 1, 16, 64, q.ctypes.data, 1, 32, out.ctypes.data,
+                     2, pos.ctypes.data, 1)
 """
 
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from rdkv import layout, pages
+from rdkv import layout
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -151,30 +151,19 @@ def test_a_version_4_file_in_the_packed_layout_is_refused_naming_its_version(sav
         load(saved)
 
 
-def segment(widths: list[int], *, paged: bool, k_width: int = 4, start: int = 0) -> rdkv.trizone.TriZoneLayer:
+def segment(widths: list[int], *, k_width: int = 4, start: int = 0) -> rdkv.trizone.TriZoneLayer:
     """A one-stream layer packed directly (B = H = 1, head_dim 32), V widths per held token ``widths``."""
     T, D = len(widths), 32
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D, generator=g)
     return pack_layer(k, v, start, torch.tensor(widths).view(1, 1, T), torch.full((1, 1, D // 16), k_width),
-                      torch.arange(D).view(1, 1, D), rdkv.PackSpec(**SMALL), torch.float16, None, start + T,
-                      paged=paged)
-
-
-def test_save_refuses_a_cache_in_the_packed_layout(tmp_path):
-    packed = TriZoneCache([segment([4, 16, 0, 2] * 10, paged=False)], fp16_bytes=0)
-    with pytest.raises(rdkv.RDKVError, match="this cache holds a segment in the packed layout .layer 0.; rdkv saves "
-                                             "caches in pages: compress again"):
-        save(packed, tmp_path / "p")
-    assert not (tmp_path / "p").exists()
-    save(TriZoneCache([segment([4, 16, 0, 2] * 10, paged=True)], fp16_bytes=0), tmp_path / "p")
-    assert pages.paged(load(tmp_path / "p").layers[0])
+                      torch.arange(D).view(1, 1, D), rdkv.PackSpec(**SMALL), torch.float16, None, start + T)
 
 
 @pytest.mark.parametrize("k_width", [0, 16])
 def test_a_segment_whose_streams_keep_no_token_round_trips(tmp_path, k_width):
     """No kept token: no page, zero bytes of pages (and the channel means alone at K width 0)."""
-    layer = segment([0] * 40, paged=True, k_width=k_width)
+    layer = segment([0] * 40, k_width=k_width)
     assert layer.t["pages"].numel() == 0
     cache = TriZoneCache([layer], fp16_bytes=0)
     save(cache, tmp_path / "e")
@@ -183,7 +172,7 @@ def test_a_segment_whose_streams_keep_no_token_round_trips(tmp_path, k_width):
 
 def test_positions_past_32767_round_trip(tmp_path):
     """A segment held past position 32767 stores its positions in int32 inside the pages."""
-    cache = TriZoneCache([segment([2, 4, 8, 16, 0] * 8, paged=True, start=40000)], fp16_bytes=0)
+    cache = TriZoneCache([segment([2, 4, 8, 16, 0] * 8, start=40000)], fp16_bytes=0)
     cache.layers[0].c_start = cache.layers[0].prefix_len
     save(cache, tmp_path / "far")
     got = load(tmp_path / "far")
@@ -199,7 +188,7 @@ def test_folds_in_pages_round_trip(tmp_path):
     cache.set_fold(rdkv.FoldPolicy(every=32, budget=0.3, keep=8, window=4, method=method))
     for _ in range(50):
         model(torch.randint(0, 96, (1, 1)), past_key_values=cache)
-    assert cache.layers[0].folds and all(pages.paged(f) for f in cache.layers[0].folds)
+    assert cache.layers[0].folds
     save(cache, tmp_path / "f")
     got = load(tmp_path / "f")
     for la, lb in zip(cache.layers, got.layers):

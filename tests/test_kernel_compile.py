@@ -1,7 +1,7 @@
 """The Triton kernels compile for sm_90 without spills or excess shared memory (no GPU needed).
 
-Runs ``scripts/compile_check.py --quick`` (decode: one fp16 variant per head_dim, the page kernel at head_dim 64 bf16,
-128 fp16 and 256 fp32, the merge kernel and the full-cache anchor;
+Runs ``scripts/compile_check.py --quick`` (decode: the page kernel at head_dim 64 bf16, 128 fp16 and 256 fp32, with
+V groups per width and with pre-RoPE keys at 256, the merge kernel and the full-cache anchor;
 compress side: one variant of each of the four quantize / token-weight kernels) in a subprocess, so the real Triton compiler runs even when the kernel tests use the interpreter. The full
 matrix (both archs, every dtype / query-row / flag variant) is ``python scripts/compile_check.py``.
 """

@@ -118,44 +118,31 @@ def test_quantize_cols_k_layout(bits, group):
     same(qmod.quantize_pack(x, bits, group, axis=0), quant.quantize_pack_torch(x, bits, group, 0))
 
 
-def test_quantize_cols_reproduces_pack_layer():
-    """The call rdkv.layout.pack can make for K (one per width), checked against what pack_layer stores."""
+def test_pages_pack_writes_the_same_bytes_through_the_kernel(monkeypatch):
+    """rdkv.pages.pack quantizes through quantize_pack: K once per packed width (every channel, groups of a page
+    restarting at each (stream, V class)), V once per class. Through the kernel its pages are the torch path's,
+    byte for byte."""
+    from rdkv import pages
     from rdkv.layout import PackSpec
-    from rdkv.trizone import pack_layer
 
     g = torch.Generator().manual_seed(0)
-    B, H, T, D = 2, 2, 70, 64
-    spec = PackSpec(v_group=32, k_group=7, k_block=16)
-    k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
-    vw = torch.tensor([0, 2, 4, 8, 16])[torch.randint(0, 5, (B, H, T), generator=g)]
-    kb = torch.tensor([2, 4, 8, 16])[torch.randint(0, 4, (B, H, D // 16), generator=g)].sort(-1).values  # as stored
-    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(B * H)]).view(B, H, D)
-    layer = pack_layer(k, v, 0, vw, kb, perm, spec, torch.float16, None, T)
-    # pack_layer's own row order: kept tokens by class then position, K channels permuted
-    S = B * H
-    vws, kf = vw.reshape(S, T), k.reshape(S, T, D)
-    rank = torch.full_like(vws, 4)
-    for c, w in enumerate((2, 4, 8, 16)):
-        rank[vws == w] = c
-    order = (rank * T + torch.arange(T)).argsort(1)
-    n = (vws > 0).sum(1)
-    keep = torch.arange(T) < n.unsqueeze(1)
-    s_flat = torch.arange(S).unsqueeze(1).expand(S, T)[keep]
-    kp = kf[s_flat, order[keep]].gather(1, perm.reshape(S, D)[s_flat])
-    kbits = kb.reshape(S, D // 16)
-    for w in (2, 4, 8):
-        blk, s = torch.nonzero(kbits.T == w, as_tuple=True)  # the pairs of width w, block-major
-        pair = torch.repeat_interleave(torch.arange(len(s)), n[s])
-        pi = torch.arange(len(pair)) - (torch.cumsum(n[s], 0) - n[s])[pair]  # token index inside the stream
-        rows = kp.unflatten(1, (-1, 16))[(torch.cumsum(n, 0) - n)[s[pair]] + pi, blk[pair]]
-        got = qmod.quantize_pack(rows.to(DEVICE), w, spec.k_group, axis=0, segments=n[s].to(DEVICE))
-        same(got, tuple(layout.k_rows(layer, w)))
-    # and V: the kept rows of each class, one call per width
-    vf = v.reshape(S, T, D)[s_flat, order[keep]]
-    cls = rank.gather(1, order)[keep]
-    for c, w in enumerate((2, 4, 8)):
-        got = qmod.quantize_pack(vf[cls == c].to(DEVICE), w, spec.v_group)
-        same(got, tuple(layout.v_rows(layer, w)))
+    S, T, D = 4, 150, 64
+    spec = PackSpec(v_group=32, k_group=32, k_block=16)
+    k, v = torch.randn(S, T, D, generator=g), torch.randn(S, T, D, generator=g)
+    vw = torch.tensor([0, 2, 4, 8, 16])[torch.randint(0, 5, (S, T), generator=g)]
+    kb = torch.tensor([0, 2, 4, 8, 16])[torch.randint(0, 5, (S, D // 16), generator=g)]
+    perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)])
+    calls, real = [], qmod.quantize_pack
+    monkeypatch.setattr(qmod, "quantize_pack", lambda *a, **kw: calls.append(a[1]) or real(*a, **kw))
+    out = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("RDKV_BACKEND", backend)
+        out[backend] = pages.pack(*(x.to(DEVICE) for x in (k, v)), 0, *(x.to(DEVICE) for x in (vw, kb, perm)), spec,
+                                  torch.float16)
+    assert sorted(calls) == [2, 2, 4, 4, 8, 8]  # the kernel ran once per V class and once per K width
+    assert out["torch"].keys() == out["triton"].keys()
+    for name, x in out["torch"].items():
+        assert torch.equal(x.cpu(), out["triton"][name].cpu()), name
 
 
 def test_quantize_pack_raises():

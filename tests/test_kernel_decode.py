@@ -1,4 +1,5 @@
-"""The fused Triton TriZone decode kernel, run on CPU under TRITON_INTERPRET=1, against the torch reference.
+"""The fused Triton TriZone decode kernel over pages (rdkv.kernels.page_decode), run on CPU under
+TRITON_INTERPRET=1, against the torch reference.
 
 Tolerances (``tol``):
 * fp32 queries: the kernel dots in fp32 ("ieee") and reads exactly the stored fp16 codes/scales/rows the
@@ -34,15 +35,15 @@ if DEVICE != "cpu" and not torch.cuda.is_available():
     pytest.skip(f"RDKV_TEST_DEVICE={DEVICE} but no GPU is visible", allow_module_level=True)
 
 import rdkv
-from rdkv import RDKVError, layout
+from rdkv import RDKVError, layout, pages
 from rdkv.reference import trizone_attention
 from rdkv.layout import PackSpec
 from rdkv.trizone import pack_layer
 
-for _name in ("rdkv.kernels.lse_merge", "rdkv.kernels.trizone_decode"):  # imported earlier without the
-    if _name in sys.modules:                                             # interpreter: redecorate
+for _name in ("rdkv.kernels.lse_merge", "rdkv.kernels.device.page_decode", "rdkv.kernels.page_decode"):
+    if _name in sys.modules:  # imported earlier without the interpreter: redecorate
         importlib.reload(sys.modules[_name])
-from rdkv.kernels import trizone_decode as kmod  # noqa: E402
+from rdkv.kernels import page_decode as kmod  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=5e-3, rtol=5e-3),
        torch.bfloat16: dict(atol=4e-2, rtol=4e-2)}
@@ -56,8 +57,8 @@ def on_device(layer):
 
 
 def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 2, 4, 8, 16), spec=None,
-          dtype16=torch.float16, start=0, sort_k=True, window=None, empty_streams=0, paged=False):
-    """A packed layer (in pages if ``paged``) from random K/V with a different random allocation per stream.
+          dtype16=torch.float16, start=0, sort_k=True, window=None, empty_streams=0):
+    """A layer packed from random K/V with a different random allocation per stream.
 
     Each stream draws its own mixture over the allowed V widths ``vmix`` (so class sizes differ a lot
     between streams, including empty classes), its own K block widths from ``kmix``, and its own
@@ -81,7 +82,7 @@ def build(seed=0, B=2, H=2, T=300, D=64, n_c=5, vmix=(0, 2, 4, 8, 16), kmix=(0, 
     if sort_k:
         kb = kb.sort(-1).values
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(S)]).view(B, H, D)
-    layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T, paged=paged)
+    layer = pack_layer(k, v, start, vw, kb, perm, spec, dtype16, window, start + T)
     if n_c:
         layer.update(torch.randn(B, H, n_c, D, generator=g), torch.randn(B, H, n_c, D, generator=g))
     return on_device(layer)
@@ -97,7 +98,7 @@ def check(layer, q, window=None, softcap=None, mask=None, launch=None):
         mask = mask.to(DEVICE)
     scaling = layer.head_dim ** -0.5
     want = trizone_attention(q, layer, scaling, window, softcap, mask)
-    got = kmod.trizone_decode(q, layer, scaling, window, softcap, mask, launch)
+    got = kmod.page_decode(q, layer, scaling, window, softcap, mask, launch)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **TOL[q.dtype])
@@ -144,14 +145,13 @@ def test_launch_settings_are_an_argument_and_checked():
     for launch in (kmod.LaunchConfig(block_n=32, num_warps=4, num_stages=2, split=128),
                    kmod.LaunchConfig(block_n=128, maxnreg=128)):
         want = trizone_attention(q, layer, 128 ** -0.5)
-        got = kmod.trizone_decode(q, layer, 128 ** -0.5, launch=launch)
+        got = kmod.page_decode(q, layer, 128 ** -0.5, launch=launch)
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
     assert kmod.launch_config(128, 16, override=kmod.LaunchConfig(split=100)).split == 100
-    assert kmod.choose_split(layer, q, kmod.launch_config(128, 16, override=kmod.LaunchConfig(split=100))) == 128
     for bad, what in ((kmod.LaunchConfig(block_n=48), "block_n"), (kmod.LaunchConfig(num_warps=3), "num_warps"),
                       (kmod.LaunchConfig(split=0), "split"), (kmod.LaunchConfig(maxnreg=300), "maxnreg")):
         with pytest.raises(RDKVError, match=what):
-            kmod.trizone_decode(q, layer, 128 ** -0.5, launch=bad)
+            kmod.page_decode(q, layer, 128 ** -0.5, launch=bad)
 
 
 def rope_table(D: int, base: float = 10000.0, scaling: float = 1.25) -> torch.Tensor:
@@ -177,7 +177,7 @@ def test_pre_rope_keys_are_rotated_at_their_positions(seed, T, D, start, G, L, d
     reference rotates the dequantized keys; without the table the result differs, so rotation is tested."""
     layer = build(seed=seed, B=2, H=2, T=T, D=D, n_c=3, start=start, vmix=vmix, kmix=kmix)
     q = query(layer, G, L, dtype)
-    plain = kmod.trizone_decode(q, layer, D ** -0.5)
+    plain = kmod.page_decode(q, layer, D ** -0.5)
     layout.set_rope_table(layer, rope_table(D))
     got, _ = check(layer, q)
     assert (got.float() - plain.float()).abs().max() > 0.05
@@ -244,11 +244,12 @@ def test_softcap():
 def test_bf16_cache_with_fp32_queries_and_other_pack_specs():
     layer = build(seed=8, B=2, H=1, T=300, D=128, n_c=3, dtype16=torch.bfloat16)
     check(layer, query(layer, 4, 1, torch.float32))
-    layer = build(seed=9, B=1, H=2, T=300, D=128, n_c=3, spec=PackSpec(v_group=128, k_group=7, k_block=32))
+    layer = build(seed=9, B=1, H=2, T=300, D=128, n_c=3, spec=PackSpec(v_group=128, k_group=16, k_block=32))
     check(layer, query(layer, 2, 3, torch.float16))
     for groups in ((64, 32, 16), (16, 32, 128)):  # a V group size per width class, each path its own
         layer = build(seed=10, B=2, H=1, T=300, D=128, n_c=2, spec=PackSpec(v_group=groups, k_group=64, k_block=16))
-        assert [layout.v_rows(layer, w).scale.shape[1] for w in (2, 4, 8)] == [128 // g for g in groups]
+        P = pages.segment_page(layer)
+        assert [pages.v_bytes(w, 128, layer.spec, P)[1] for w in (2, 4, 8)] == [2 * P * 128 // g for g in groups]
         check(layer, query(layer, 2, 1, torch.float16))
 
 
@@ -302,7 +303,7 @@ def test_unsupported_cases_raise(case):
     if case == "shape":
         q = q[:1]
     with pytest.raises(RDKVError):
-        kmod.trizone_decode(q, layer, 0.125, **kw)
+        kmod.page_decode(q, layer, 0.125, **kw)
 
 
 # --- end to end ----------------------------------------------------------------------------------------
@@ -333,17 +334,15 @@ def _decode_logits(backend, monkeypatch, ids, nxt, batch_mask=None, make=None, *
 
 
 def _count_kernel_calls(monkeypatch):
-    """Calls of the page kernel, which a compressed cache (in pages) decodes through under the Triton backend."""
-    from rdkv.kernels import page_decode
-
+    """Calls of the kernel, which a compressed cache decodes through under the Triton backend."""
     calls = []
-    real = page_decode.page_decode
+    real = kmod.page_decode
 
     def counted(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(page_decode, "page_decode", counted)
+    monkeypatch.setattr(kmod, "page_decode", counted)
     return calls
 
 

@@ -59,7 +59,7 @@ def test_wheel_installs_kernels_and_solvers_inside_rdkv(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(site)
-    assert {"rdkv/kernels/cpu_dequant.c", "rdkv/kernels/trizone_decode.py", "rdkv/solvers/mckp.py"} <= names
+    assert {"rdkv/kernels/cpu_dequant.c", "rdkv/kernels/page_decode.py", "rdkv/solvers/mckp.py"} <= names
     assert not any(n.split("/")[0] in ("kernels", "solvers") for n in names), "a top-level import name was installed"
     got = probe(tmp_path, site)
     assert Path(got["rdkv"]) == site / "rdkv" / "__init__.py"

@@ -86,15 +86,15 @@ def test_triton_decode_refuses_a_damaged_rope_table():
     """The kernel rotates pre-RoPE keys itself (tests/test_kernel_decode.py); a table of the wrong size or
     dtype would make it read past the frequencies, so it is refused."""
     pytest.importorskip("triton")
-    from rdkv.kernels.trizone_decode import check
+    from rdkv.kernels.page_decode import check
 
     rec, _ = recorded(tiny_llama(), torch.randint(0, 96, (1, 40)))
     layer = rdkv.compress(rec, 0.3, prerope=True, **SMALL).layers[0]
-    check(torch.zeros(1, 4, 1, 32), layer, None, None, paged=True)
+    check(torch.zeros(1, 4, 1, 32), layer, None, None)
     for bad in (layout.rope_table(layer)[:-1], layout.rope_table(layer).double()):
         layout.set_rope_table(layer, bad)
         with pytest.raises(rdkv.RDKVError, match="RoPE table"):
-            check(torch.zeros(1, 4, 1, 32), layer, None, None, paged=True)
+            check(torch.zeros(1, 4, 1, 32), layer, None, None)
 
 
 def test_rope_whose_angles_are_not_position_times_frequency_is_refused():

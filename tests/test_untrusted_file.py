@@ -295,7 +295,7 @@ def packed(*, D=32, T=50, start=0, dtype16=torch.float16, keep=True, H=2, seed=0
     k_bits = widths[torch.randint(0, 5, (1, H, D // spec.k_block), generator=g)]
     perm = torch.stack([torch.randperm(D, generator=g) for _ in range(H)]).view(1, H, D)
     k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
-    layer = pack_layer(k, v, start, v_width, k_bits, perm, spec, dtype16, None, start + T, paged=True)
+    layer = pack_layer(k, v, start, v_width, k_bits, perm, spec, dtype16, None, start + T)
     return layer, dict(batch=1, heads=H, head_dim=D, start=start, prefix_len=start + T, spec=spec, sliding_window=None,
                        dtype16=dtype16)
 

@@ -1,5 +1,10 @@
-"""Device code of the TriZone decode over the page layout (:mod:`rdkv.pages`); the launcher is
-:mod:`rdkv.kernels.page_decode`.
+"""Device code of the fused TriZone decode over the page layout (:mod:`rdkv.pages`); the launcher,
+:mod:`rdkv.kernels.page_decode`, plans the work items and calls it.
+
+:func:`_page_attn` computes one work item's partial attention for a block of query rows: a run of one stream's
+pages (zones A+B) or a chunk of its zone C tokens; the launcher merges the partials by log-sum-exp
+(:mod:`rdkv.kernels.lse_merge`). Scores are in base 2 (q is scaled by ``scaling * log2(e)``), masked by causality,
+sliding window and the optional bool mask, and folded into an online softmax.
 
 A zone A+B program walks a run of one stream's pages, class by class (V widths 2, 4, 8, 16: four compile-time
 copies of the page loop). Every address of a page follows from its base and the stream's section offsets, loaded
@@ -14,7 +19,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .trizone_decode import _dequant, _online_step, _rope_dot, _store_partial, _visible, _zone_c
+LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
+
+# Only core builtins (tl.full, tl.reduce, ...) are called, not the @jit helpers of triton.language.standard
+# (tl.zeros, tl.sum, tl.max): those are decorated when triton is first imported, so if something imported
+# triton before TRITON_INTERPRET=1 was set (transformers does) they refuse to run in the interpreter.
+# tl.reduce with the standard combine functions is exactly what tl.sum / tl.max expand to, and the
+# interpreter recognises these two combiners and reduces with numpy instead of element by element.
+_add = tl.standard._sum_combine
+_max = tl.standard._elementwise_max
 
 # fields of a stream's row in the int32 table the launcher builds (rdkv.kernels.page_decode.stream_table)
 F_CHANS = tl.constexpr(0)  # channels of K width 2, 4, 8, 16 (4 fields)
@@ -27,6 +41,125 @@ F_PAGE0 = tl.constexpr(15)  # class boundaries along the stream's pages (5)
 F_COUNT = tl.constexpr(20)  # tokens of each class (4)
 F_PSIZE = tl.constexpr(24)  # bytes of a page of each class (4)
 FIELDS = tl.constexpr(32)
+
+
+@triton.jit
+def _rope_dot(scores, kt, kposf, q_row_ptrs, row_ok, perm_ptr, s, c0, n, rope_ptr, CW: tl.constexpr,
+              D: tl.constexpr, sqd, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Add q . RoPE(kt) for pre-RoPE keys ``kt`` [CW, BLOCK_N] at the ``n`` permuted channels from ``c0`` (rows of
+    ``kt`` past ``n`` must be zero).
+
+    Rotate-half RoPE turns channel c of a key at position p into k_c cos(p w_c) -/+ k_partner sin(p w_c), with
+    partner = c +/- D/2. Collecting the terms per stored channel, q . RoPE(k) = sum_c k_c (q_c cos + sign_c
+    q_partner(c) sin) (sign +1 below D/2, -1 above), so one block is rotated with its own channels only, in
+    whatever order the permutation put them: two dots, against k * cos and k * sin. ``rope_ptr`` holds the
+    layer's D/2 inverse frequencies, then RoPE's attention scaling (rdkv.rope)."""
+    HALF: tl.constexpr = D // 2
+    j = tl.arange(0, CW)
+    ch = tl.load(perm_ptr + s * D + c0 + j, mask=j < n, other=0).to(tl.int64)
+    low = ch < HALF
+    partner = tl.where(low, ch + HALF, ch - HALF)
+    ok = row_ok[:, None] & (j < n)[None, :]
+    qa = tl.load(q_row_ptrs[:, None] + ch[None, :] * sqd, mask=ok, other=0.0).to(tl.float32)
+    qp = tl.load(q_row_ptrs[:, None] + partner[None, :] * sqd, mask=ok, other=0.0).to(tl.float32)
+    qp = tl.where(low[None, :], qp, -qp)
+    ang = tl.load(rope_ptr + ch % HALF)[:, None] * kposf[None, :]  # the same fp32 product rdkv.rope forms
+    kt = kt * tl.load(rope_ptr + HALF)
+    scores += tl.dot(qa.to(DOT), (kt * tl.cos(ang)).to(DOT), input_precision=PREC)
+    scores += tl.dot(qp.to(DOT), (kt * tl.sin(ang)).to(DOT), input_precision=PREC)
+    return scores
+
+
+@triton.jit
+def _dequant(code, scale, zero, DOT: tl.constexpr):
+    """``code * scale + zero`` as the dot operand: integer codes, fp16 scale and zero (broadcast to the codes).
+
+    For fp16 dots it is computed in fp16 from the code's exact fp16 image: the bits ``0x6400 | code`` are
+    1024 + code, so one OR, one subtraction and one fma per element, two elements per instruction, and no
+    conversion afterwards (the fma rounds once, as fp32 arithmetic rounded to fp16 does). Other dtypes
+    dequantize in fp32."""
+    if DOT == tl.float16:
+        x = (code.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        return x * scale + zero
+    else:
+        return (code.to(tl.float32) * scale.to(tl.float32) + zero.to(tl.float32)).to(DOT)
+
+
+@triton.jit
+def _online_step(scores, ok, m_i, l_i, SOFTCAP: tl.constexpr, softcap):
+    """Fold a tile of base-2 scores into the running (max, sum); returns (p, m, l, alpha), alpha being the
+    factor that rescales what was accumulated under the old max."""
+    if SOFTCAP:
+        # scores are base 2: convert to natural units, cap with tanh, convert back
+        x = scores / (LOG2E_C * softcap)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        scores = t * (softcap * LOG2E_C)
+    scores = tl.where(ok, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(scores, 1, _max))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, _add)
+    return p, m_new, l_i, alpha
+
+
+@triton.jit
+def _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk,
+             HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Which (query row, key) pairs may attend: causal by position, sliding window, optional bool mask
+    read at the key's absolute position (the kernel's twin of rdkv.dense.allowed_keys)."""
+    ok = tok_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= q_pos[:, None])
+    if HAS_WINDOW:
+        ok = ok & (q_pos[:, None] - kpos[None, :] < window)
+    if HAS_MASK:
+        mv = tl.load(mask_ptr + b * smb + q_l[:, None] * sml + kpos[None, :].to(tl.int64) * smk,
+                     mask=tok_ok[None, :] & row_ok[:, None], other=0)
+        ok = ok & (mv != 0)
+    return ok
+
+
+@triton.jit
+def _zone_c(m_i, l_i, acc, cid, c_chunks, SPLIT, n_c, H, G, g, q_l, q_pos, row_ok,
+            q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
+            c_start, scale2, window, softcap, mask_ptr, smb, sml, smk,
+            D: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Zone C work item ``cid``: tokens [lo, lo + SPLIT) of one stream's fresh 16-bit keys and values."""
+    s = cid // c_chunks
+    lo = (cid % c_chunks) * SPLIT
+    hi = tl.minimum(lo + SPLIT, n_c)
+    b = s // H
+    h = s % H
+    d = tl.arange(0, D)
+    q_ptrs = q_ptr + b * sqb + (h * G + g).to(tl.int64)[:, None] * sqh + (q_l * sql)[:, None] + d[None, :] * sqd
+    qf = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    qf = qf.to(DOT)
+    k_base_c = kc_ptr + b.to(tl.int64) * skb + h * skh
+    v_base_c = vc_ptr + b.to(tl.int64) * svb + h * svh
+    for t0 in range(lo, hi, BLOCK_N):
+        j = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = j < hi
+        kt = tl.load(k_base_c + j[None, :] * skn + d[:, None] * skd, mask=tok_ok[None, :], other=0.0)
+        scores = tl.dot(qf, kt.to(DOT), input_precision=PREC) * scale2
+        kpos = c_start + j
+        ok = _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk, HAS_WINDOW, HAS_MASK)
+        p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, SOFTCAP, softcap)
+        acc = acc * alpha[:, None]
+        v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None], other=0.0)
+        acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D: tl.constexpr):
+    """The program's normalised partial output and its base-2 log-sum-exp (-inf when the chunk saw nothing)."""
+    d = tl.arange(0, D)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = pid.to(tl.int64) * GL
+    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_ptr + base + m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -81,9 +214,9 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q
 
     K: one [D, PT] tile per step (:func:`_k_tile`) and one dot with the permuted q, or ``KC`` channels at a time
     where a whole tile would spill (fp32 dots, head_dim 256; ``ROPE``: keys packed before RoPE, dequantized in fp32
-    and rotated to their positions). V is dequantized as in the packed kernel
-    (:func:`rdkv.kernels.device.trizone_decode._ab_class`): per code plane where rows are at least 16 bytes and
-    the program holds 16 query rows, else unpacked to [PT, D]."""
+    and rotated to their positions). V is dequantized per code plane where rows are at least 16 bytes and the
+    program holds 16 query rows (one dot per plane, the planes interleaved back once per class), else unpacked to
+    [PT, D]."""
     VW: tl.constexpr = 2 << C
     SUB: tl.constexpr = P // PT
     if VW == 2:
@@ -270,6 +403,6 @@ def _page_attn(
     else:
         m_i, l_i, acc = _zone_c(m_i, l_i, acc, pid - n_ab, c_chunks, SPLIT_C, n_c, H, G, g, q_l, q_pos, row_ok,
                                 q_ptr, sqb, sqh, sql, sqd, kc_ptr, skb, skh, skn, skd, vc_ptr, svb, svh, svn, svd,
-                                c_start, scale2, window, softcap, mask_ptr, smb, sml, smk, D, D, PT, DOT, PREC,
+                                c_start, scale2, window, softcap, mask_ptr, smb, sml, smk, D, PT, DOT, PREC,
                                 HAS_WINDOW, HAS_MASK, SOFTCAP)
-    _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D, D)
+    _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D)
