@@ -28,13 +28,10 @@ import triton
 import triton.language as tl
 
 from rdkv.errors import RDKVError
-from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
+from rdkv.kernels.lse_merge import LOG2E, MERGE_BLOCK_D, MERGE_WARPS, _lse_merge, _online_step, _store_partial
 
-LOG2E = 1.4426950408889634
 WAVES = 4  # programs per SM the split aims for
 _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-_add = tl.standard._sum_combine  # core combiners (see rdkv.kernels.device.page_decode on interpreter use)
-_max = tl.standard._elementwise_max
 
 
 @triton.jit(do_not_specialize=["T", "SPLIT"])
@@ -73,20 +70,9 @@ def _flash_decode(q_ptr, sqb, sqh, sql, k_ptr, skb, skh, skn, v_ptr, svb, svh, s
         vt = tl.load(v_base + rows[:, None] * svn + d[None, :], mask=tok_ok[:, None], other=0.0)
         scores = tl.dot(q, kt.to(DOT), input_precision=PREC)
         ok = tok_ok[None, :] & row_ok[:, None] & (n[None, :] <= q_pos[:, None])
-        scores = tl.where(ok, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _max))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        p, m_i, l_i, alpha = _online_step(scores, ok, m_i, l_i, False, 1.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), vt.to(DOT), input_precision=PREC)
-        m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    base = pid.to(tl.int64) * GL
-    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-    tl.store(lse_ptr + base + m, lse, mask=row_ok)
+    _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D)
 
 
 def default_split(streams: int, T: int, block_n: int, device: torch.device) -> int:

@@ -1,6 +1,8 @@
-"""Log-sum-exp merge of split-K partial attention results (shared by the TriZone and the full-cache kernels).
+"""Split-K partial attention results: how a work item makes one and how the partials merge (shared by the TriZone
+and the full-cache kernels).
 
-A split-K decode kernel writes, per work item, a normalised partial output ``o_k`` [G*L, D] (fp32) and its
+A work item folds its tiles into an online softmax (:func:`_online_step`, scores in base 2) and writes
+(:func:`_store_partial`) a normalised partial output ``o_k`` [G*L, D] (fp32) and its
 base-2 log-sum-exp ``lse_k`` [G*L] (``-inf`` when the item saw no key). :func:`_lse_merge` combines the items of
 each stream: ``out = sum_k 2^(lse_k - lse) o_k`` with ``lse = log2 sum_k 2^lse_k``, guarding the all-``-inf``
 case (output 0). Items are addressed as runs: ``n_seg`` runs given by ``seg_first``/``seg_cnt`` [n_seg, S],
@@ -11,8 +13,49 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
+
+# Only core builtins (tl.full, tl.reduce, ...) are called, not the @jit helpers of triton.language.standard
+# (tl.zeros, tl.sum, tl.max): those are decorated when triton is first imported, so if something imported
+# triton before TRITON_INTERPRET=1 was set (transformers does) they refuse to run in the interpreter.
+# tl.reduce with the standard combine functions is exactly what tl.sum / tl.max expand to, and the
+# interpreter recognises these two combiners and reduces with numpy instead of element by element.
+_add = tl.standard._sum_combine
+_max = tl.standard._elementwise_max
+
 MERGE_BLOCK_D = 64  # the merge tiles D too, so its fp32 tiles stay small (no spills at D=256)
 MERGE_WARPS = 4
+
+
+@triton.jit
+def _online_step(scores, ok, m_i, l_i, SOFTCAP: tl.constexpr, softcap):
+    """Fold a tile of base-2 scores into the running (max, sum); returns (p, m, l, alpha), alpha being the
+    factor that rescales what was accumulated under the old max."""
+    if SOFTCAP:
+        # scores are base 2: convert to natural units, cap with tanh, convert back
+        x = scores / (LOG2E_C * softcap)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+        scores = t * (softcap * LOG2E_C)
+    scores = tl.where(ok, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(scores, 1, _max))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.reduce(p, 1, _add)
+    return p, m_new, l_i, alpha
+
+
+@triton.jit
+def _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D: tl.constexpr):
+    """The program's normalised partial output and its base-2 log-sum-exp (-inf when the chunk saw nothing)."""
+    d = tl.arange(0, D)
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = pid.to(tl.int64) * GL
+    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None])
+    tl.store(lse_ptr + base + m, lse, mask=row_ok)
 
 
 @triton.jit

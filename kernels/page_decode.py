@@ -31,8 +31,8 @@ import triton.language as tl
 from rdkv import layout, pages
 from rdkv.errors import RDKVError
 from rdkv.kernels.device import page_decode as dev
-from rdkv.kernels.device.page_decode import LOG2E, _page_attn
-from rdkv.kernels.lse_merge import MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
+from rdkv.kernels.device.page_decode import _page_attn
+from rdkv.kernels.lse_merge import LOG2E, MERGE_BLOCK_D, MERGE_WARPS, _lse_merge
 from rdkv.trizone import TriZoneLayer
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -193,17 +193,6 @@ def check_extras(t: dict[str, torch.Tensor], names: set[str], *, batch: int, hea
 
 # --- offsets: derived once per segment -------------------------------------------------------------------
 
-def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For segment sizes ``counts`` [P]: (segment id, index inside the segment) of every element."""
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    return seg, torch.arange(len(seg), device=counts.device) - starts[seg]
-
-
-def _excl(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    return torch.cumsum(x, dim) - x
-
-
 _DERIVED: dict[tuple, tuple[weakref.ref, object]] = {}
 
 

@@ -25,7 +25,7 @@ import torch
 
 from . import quant, rope
 from .errors import RDKVError
-from .layout import (COMPONENTS, _COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, _excl, _segments, check_extras,
+from .layout import (COMPONENTS, _COUNTS, _K_BITS, _K_PERM, V_CLASSES, PackSpec, check_extras,
                      check_scalars, component, derived, pos_bytes, pos_dtype, quantize_pack, rope_table, storage_order,
                      tensor_checker)
 
@@ -93,6 +93,17 @@ class PagePlan:
                    int(span.sum()))
 
 
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For segment sizes ``counts`` [P]: (segment id, index inside the segment) of every element."""
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    return seg, torch.arange(len(seg), device=counts.device) - starts[seg]
+
+
+def _excl(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(x, dim) - x
+
+
 class _Slots:
     """Where each kept token lives: its stream, class, page base (bytes) and slot inside the page."""
 
@@ -106,9 +117,9 @@ class _Slots:
         self.slot = j % p.page
 
 
-def _k_addresses(p: PagePlan, at: _Slots, D: int, kb: int) -> tuple[torch.Tensor, ...]:
-    """Per kept token and permuted channel [N, D]: width, byte address of its code (its first byte at 16 bits), bit
-    shift, and the address of its scale (zero at + 2 * packed channels) for packed widths."""
+def _k_addresses(p: PagePlan, at: _Slots, D: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per kept token and permuted channel [N, D]: width, byte address of its code (its first byte at 16 bits) and
+    bit shift."""
     ch = torch.arange(D, device=p.counts.device)
     wi = (ch.unsqueeze(0) >= p.ch0[at.s, 1:].unsqueeze(2)).sum(1)  # [N, D] option index of the channel's width
     width = torch.tensor(quant.WIDTHS, device=ch.device)[wi]
@@ -119,8 +130,7 @@ def _k_addresses(p: PagePlan, at: _Slots, D: int, kb: int) -> tuple[torch.Tensor
     code = base + sec + torch.where(width == 16, (j * p.page + slot) * 2, torch.div(j, per, rounding_mode="floor")
                                     * p.page + slot)
     shift = torch.where(width == 16, 0, (j % per) * width)
-    meta = base + p.k_meta[at.s].unsqueeze(1) + 2 * (ch - p.ch0[at.s, 1:2])
-    return width, code, shift, meta
+    return width, code, shift
 
 
 def _v_addresses(p: PagePlan, at: _Slots, D: int, spec: PackSpec, w: int, sel: torch.Tensor):
@@ -181,7 +191,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, bi
         _put(buf, scale_at.unsqueeze(1) + 2 * g, scale)
         _put(buf, scale_at.unsqueeze(1) + v_bytes(w, D, spec, P)[1] + 2 * g, zero)
     kp = k[at.s, t_flat].float().gather(1, perm.long()[at.s])  # [N, D] channels in permuted order
-    width, code_at, _, _ = _k_addresses(p, at, D, kb)
+    width, code_at, _ = _k_addresses(p, at, D)
     mean_at = p.mean0[at.s].unsqueeze(1) + torch.arange(D, device=dev)
     k_mean = torch.zeros(int(p.chans[:, 0].sum()), dtype=quant.META_DTYPE, device=dev)
     msum = kp.new_zeros(len(k_mean)).index_add_(0, mean_at[width == 0], kp[width == 0])
@@ -337,8 +347,10 @@ def dequantize(t: dict[str, torch.Tensor], spec: PackSpec, head_dim: int, pos_le
             rows = quant.dequantize(quant.unpack(codes, w).unflatten(-1, (-1, spec.v_group_of(w))), scale,
                                     zero).flatten(-2)
         V[at.s[sel], at.index[sel]] = rows
-    width, code_at, shift, meta_at = _k_addresses(p, at, D, spec.k_block)
+    width, code_at, shift = _k_addresses(p, at, D)
     packed = (width > 0) & (width < 16)
+    # a packed channel's scale, its zero 2 bytes x the stream's packed channels later
+    meta_at = at.base.unsqueeze(1) + p.k_meta[at.s].unsqueeze(1) + 2 * (torch.arange(D, device=dev) - p.ch0[at.s, 1:2])
     code = ((buf[torch.where(packed, code_at, 0)].int() >> shift) & ((1 << width.clamp(1, 8)) - 1)).float()
     cp = p.chans[at.s, 1:4].sum(1, keepdim=True)
     safe = torch.where(packed, meta_at, 0)

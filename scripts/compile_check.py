@@ -8,8 +8,9 @@ replaced by recorders, and Triton's own binder turns the recorded arguments into
 launch gets) with the ptxas that ships in the triton wheel (triton/backends/nvidia/bin/ptxas; no CUDA driver
 or GPU needed). The script then reads register count, spill bytes and local stack from that cubin
 (``ptxas -v`` on the generated PTX, ``cuobjdump --dump-resource-usage`` as a fallback) and the shared
-memory from the kernel metadata, prints a table and exits non-zero if any variant spills registers or
-needs more shared memory than the device has (228 KB per SM on sm_90, 164 KB on sm_80).
+memory from the kernel metadata, prints a table and exits non-zero if any variant spills registers, needs more
+registers than an SM holds (65536 per SM: registers x threads of one program) or more shared memory than the device
+has (228 KB per SM on sm_90, 164 KB on sm_80).
 
     python scripts/compile_check.py            # every variant, both archs
     python scripts/compile_check.py --quick    # one variant per head_dim on sm_90 (the CI test)
@@ -30,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real even if a test run set the interpreter
 
 SMEM_LIMIT = {90: 228 * 1024, 80: 164 * 1024}
+REGISTER_FILE = 65536  # 32-bit registers per SM, sm_80 and sm_90
 PTR_DTYPES = {"fp16": "*fp16", "bf16": "*bf16", "fp32": "*fp32"}
 
 
@@ -286,6 +288,8 @@ def problems_of(r: dict) -> list[str]:
         problems.append("spills")
     if r["smem"] > SMEM_LIMIT[r["arch"]]:
         problems.append(f"smem > {SMEM_LIMIT[r['arch']] // 1024} KB")
+    if r["regs"] * 32 * r["warps"] > REGISTER_FILE:  # one program would not fit an SM: the launch fails
+        problems.append(f"{r['regs']} regs x {32 * r['warps']} threads > {REGISTER_FILE}")
     return problems
 
 

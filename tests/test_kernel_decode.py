@@ -168,6 +168,7 @@ ROPE_GRID = [
     (31, 500, 128, 8000, 4, 3, torch.float16, (0, 2, 4, 8, 16), (0, 2, 4, 8, 16)),
     (32, 260, 256, 100, 2, 1, torch.float32, (0, 4, 16), (0, 16)),
     (33, 200, 64, 40, 8, 1, torch.float16, (2, 16), (0,)),  # every K channel a mean
+    (34, 260, 256, 500, 4, 2, torch.float16, (0, 2, 4, 8, 16), (0, 2, 8)),  # V unpacked, not per plane
 ]
 
 

@@ -19,16 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LOG2E_C = tl.constexpr(LOG2E)
-
-# Only core builtins (tl.full, tl.reduce, ...) are called, not the @jit helpers of triton.language.standard
-# (tl.zeros, tl.sum, tl.max): those are decorated when triton is first imported, so if something imported
-# triton before TRITON_INTERPRET=1 was set (transformers does) they refuse to run in the interpreter.
-# tl.reduce with the standard combine functions is exactly what tl.sum / tl.max expand to, and the
-# interpreter recognises these two combiners and reduces with numpy instead of element by element.
-_add = tl.standard._sum_combine
-_max = tl.standard._elementwise_max
+from rdkv.kernels.lse_merge import _online_step, _store_partial
 
 # fields of a stream's row in the int32 table the launcher builds (rdkv.kernels.page_decode.stream_table)
 F_CHANS = tl.constexpr(0)  # channels of K width 2, 4, 8, 16 (4 fields)
@@ -86,24 +77,6 @@ def _dequant(code, scale, zero, DOT: tl.constexpr):
 
 
 @triton.jit
-def _online_step(scores, ok, m_i, l_i, SOFTCAP: tl.constexpr, softcap):
-    """Fold a tile of base-2 scores into the running (max, sum); returns (p, m, l, alpha), alpha being the
-    factor that rescales what was accumulated under the old max."""
-    if SOFTCAP:
-        # scores are base 2: convert to natural units, cap with tanh, convert back
-        x = scores / (LOG2E_C * softcap)
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-        scores = t * (softcap * LOG2E_C)
-    scores = tl.where(ok, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.reduce(scores, 1, _max))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
-    p = tl.exp2(scores - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.reduce(p, 1, _add)
-    return p, m_new, l_i, alpha
-
-
-@triton.jit
 def _visible(kpos, tok_ok, row_ok, q_pos, q_l, b, window, mask_ptr, smb, sml, smk,
              HAS_WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
     """Which (query row, key) pairs may attend: causal by position, sliding window, optional bool mask
@@ -148,18 +121,6 @@ def _zone_c(m_i, l_i, acc, cid, c_chunks, SPLIT, n_c, H, G, g, q_l, q_pos, row_o
         v = tl.load(v_base_c + j[:, None] * svn + d[None, :] * svd, mask=tok_ok[:, None], other=0.0)
         acc += tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _store_partial(out_ptr, lse_ptr, pid, GL, m, row_ok, m_i, l_i, acc, D: tl.constexpr):
-    """The program's normalised partial output and its base-2 log-sum-exp (-inf when the chunk saw nothing)."""
-    d = tl.arange(0, D)
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    base = pid.to(tl.int64) * GL
-    tl.store(out_ptr + (base + m)[:, None] * D + d[None, :], o, mask=row_ok[:, None])
-    tl.store(lse_ptr + base + m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -216,7 +177,8 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q
     where a whole tile would spill (fp32 dots, head_dim 256; ``ROPE``: keys packed before RoPE, dequantized in fp32
     and rotated to their positions). V is dequantized per code plane where rows are at least 16 bytes and the
     program holds 16 query rows (one dot per plane, the planes interleaved back once per class), else unpacked to
-    [PT, D]."""
+    [PT, D] (also for pre-RoPE keys above head_dim 128: their fp32 rotation leaves no registers for the planes'
+    accumulators, which spill on sm_80)."""
     VW: tl.constexpr = 2 << C
     SUB: tl.constexpr = P // PT
     if VW == 2:
@@ -232,7 +194,7 @@ def _page_class(m_i, l_i, acc, lo, hi, st, cbase_ptr, s, b, qk, row_ok, q_pos, q
         VSEC: tl.constexpr = 2 * P * D
     else:
         PER: tl.constexpr = 8 // VW
-        PLANES: tl.constexpr = (D * VW // 8 >= 16) & (BLOCK_M == 16)
+        PLANES: tl.constexpr = (D * VW // 8 >= 16) & (BLOCK_M == 16) & ((D <= 128) | (not ROPE))
         RB: tl.constexpr = D * VW // 8
         VSEC: tl.constexpr = P * RB + 4 * P * (D // V_GROUP)
     NG: tl.constexpr = D // V_GROUP
