@@ -16,6 +16,7 @@ import argparse
 
 import ruler
 import torch
+from common import method_arg, method_of
 from eval_ruler import prompts
 
 import rdkv
@@ -42,7 +43,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
     ap.add_argument("--protocol", default="aware", choices=("aware", "agnostic"))
-    ap.add_argument("--method", default="rdkv-aware")
+    ap.add_argument("--method", default="rdkv-aware", type=method_arg,
+                    help="a method as eval_ruler.py takes it, options after a colon (rdkv:surprisal=2)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.025, 0.1])
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -58,7 +60,7 @@ def main() -> None:
         f"{v}{' (asked)' if v in asked else ''} at {p.start}: kept, mean V bits" for _, v, p in spans) + " |")
     print("|---|---|---|---|" + "---|" * len(spans))
     for b in args.budgets:
-        cache = rdkv.compress(rec, b, method=args.method)
+        cache = rdkv.compress(rec, b, method=method_of(model, args.method))
         for li, layer in enumerate(cache.layers):
             vw = layer.v_widths()[0].float()  # [H, held]
             cells = []
