@@ -27,17 +27,21 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: i
         s = stats.sums
         if s is None:
             raise RDKVError("weights='all' needs every prefill query: record with rdkv.record(model, all_queries=True)")
-        return s.keys(slice(start, None))
+        return AttentionSums(s.mass[..., start:], s.mass2[..., start:], s.q2, s.nq)
     if form == "reconstruct":
         s = stats.recon
         if s is None:
             raise RDKVError("weights='reconstruct' needs the record's reconstruction pass (rdkv.reconstruct.reconstruct), "
                             "which rdkv.compress runs")
-        return s.keys(slice(start - stats.start, None))
+        cut = start - stats.start
+        return AttentionSums(s.mass[..., cut:], s.mass2[..., cut:], s.q2, s.nq)
     if form == "window":
         q, q_pos = window_queries(stats, window)
         k_pos = torch.arange(stats.start, stats.seen, device=q.device)
-        return _window_sums(stats, q, q_pos, k_pos).keys(slice(start - stats.start, None))
+        sums = _window_sums(stats, q, q_pos, k_pos)
+        cut = start - stats.start
+        sums.mass, sums.mass2 = sums.mass[..., cut:], sums.mass2[..., cut:]
+        return sums
     raise RDKVError(f"unknown weight form {form!r}; choose one of {FORMS}")
 
 
@@ -66,7 +70,7 @@ def per_visible(sums: AttentionSums, stats: LayerStats, start: int, window: int 
     seen_by = allowed_keys(q_pos, k_pos, stats.sliding_window).sum(0).clamp_min(1)  # [T]
     scale = (q.shape[2] / seen_by).to(sums.mass.dtype)
     scale = (scale if cap is None else scale.clamp_max(cap)) ** power
-    return AttentionSums(sums.mass * scale, sums.mass2 * scale, sums.q2, sums.nq, sums.drift)
+    return AttentionSums(sums.mass * scale, sums.mass2 * scale, sums.q2, sums.nq)
 
 
 def lifetime(pos: torch.Tensor, seen: int, sliding_window: int, horizon: int) -> torch.Tensor:
