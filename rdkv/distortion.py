@@ -8,7 +8,10 @@ Two distortion models:
   sum_q p_qt^2 ||r_t||^2. Evicting the token is the same with r_t = v_t - u, where u is the value the
   head's mass moves to once t is gone (``evict_to``, below). A key error
   e_tc shifts score q_c e_tc * scale, which moves the output by p_qt ds_qt (v_t - o), so a K channel
-  costs scale^2 * mean(q_c^2) * sum_t m_t ||v_t - o||^2 e_tc^2. Here m_t = sum_q p_qt^2 plus a prior
+  costs scale^2 * mean(q_c^2) * sum_t m_t ||v_t - o||^2 e_tc^2. Where the weight queries' sums carry each
+  key's distance to the outputs that read it (:attr:`rdkv.dense.AttentionSums.drift`, the reconstruction pass's
+  with ``k_price="readers"``), their part is sum_q p_qt^2 ||v_t - o_q||^2 instead: a query that copies token t
+  already outputs ~v_t, so t's key error barely moves it, though v_t is far from o. Here m_t = sum_q p_qt^2 plus a prior
   per query: the chance that a future query, unlike the prefill's, concentrates on token t (a share
   ``surprisal`` proportional to the token's surprisal, since improbable text is what a later question
   is likely to ask about, plus an optional uniform ``floor / T``). Without it, tokens the prefill
@@ -164,7 +167,10 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         nq = sums.nq.clamp_min(1).view(B, 1, 1)
         m = (sums.mass2 + (0 if prior is None else nq * prior)) * present
         out = _mean(v, w)  # the weight queries' mean output
-        drift = (v - out).square().sum(-1)  # ||v_t - o||^2
+        drift = (v - out).square().sum(-1)  # ||v_t - o||^2, what evicting a light token and the prior's keys cost
+        # a key error costs the weight queries their own distances where measured: sum_q p_qt^2 ||v_t - o_q||^2
+        read = drift if sums.drift is None else torch.where(sums.drift.isnan(), drift, sums.drift)
+        kw = (sums.mass2 * read + (0 if prior is None else nq * prior * drift)) * present
         ev = _v_errors(v, out if evict_to in ("output", "kept") else _mean(v, present.float()), spec)
         if evict_to in ("max", "heavy"):
             to_mean = torch.maximum(ev[..., 0], drift)
@@ -176,7 +182,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         q2 = sums.q2 / nq
         if q_floor:
             q2 = (1 - q_floor) * q2 + q_floor * q2.mean(-1, keepdim=True)
-        dkc = scaling**2 * q2.unsqueeze(-1) * _k_errors(k, m * drift, present, page)
+        dkc = scaling**2 * q2.unsqueeze(-1) * _k_errors(k, kw, present, page)
     else:
         halving = 2.0 ** -W.clamp_min(0).to(k.device)
         halving[0] = 1.0

@@ -12,17 +12,18 @@ The pass is a second forward over the context's T tokens with the prefill's keys
 about the cost of one more prefill plus its attention over 2T keys, in query chunks, so it never forms a T x T
 tensor: on a CPU the output and each query's log-sum-exp come from torch's fused attention and only the record's
 keys are scored again for the sums (:func:`_repeat_attention`); elsewhere, or with a softcap, it runs through
-rdkv's chunked exact attention (:func:`rdkv.dense.attend`). Its sums over the T repetition queries
-(mass, mass2 and the squared query norms, per KV head) weigh tokens and K channels as the prefill's window does
-(``rdkv.methods.Weights(form="reconstruct")``), priced by the same distortion model. They are computed once per
-record, on the first compress that asks for them, and kept with the record.
+rdkv's chunked exact attention (:func:`rdkv.dense.attend`). Its sums over the T repetition queries (mass, mass2,
+the squared query norms, each key's largest probability and its distance to the outputs that read it, per KV
+head) weigh tokens and K channels as the prefill's window does (``rdkv.methods.Weights(form="reconstruct")``,
+with ``score`` and ``k_price`` choosing among them), priced by the same distortion model. They are computed once
+per record, on the first compress that asks for them, and kept with the record.
 """
 from __future__ import annotations
 
 import torch
 
 from .attention import attention_modules
-from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend, key_ranges
+from .dense import CHUNK_ELEMENTS, AttentionSums, allowed_keys, attend, key_ranges, reader_drift, reader_sums
 from .errors import RDKVError
 from .records import Record
 
@@ -51,8 +52,8 @@ def reconstruct(rec: Record) -> None:
         if softcap is None and query.device.type == "cpu" and _FLASH_CPU is not None:
             o, sums = _repeat_attention(query, k, v, q_pos, k_pos, held, scaling, window)
         else:
-            o, sums = attend(query, k, v, q_pos, k_pos, scaling, window, softcap)
-        st.recon = AttentionSums(sums.mass[..., :held], sums.mass2[..., :held], sums.q2, sums.nq)
+            o, sums = attend(query, k, v, q_pos, k_pos, scaling, window, softcap, drift=True)
+        st.recon = sums.keys(slice(None, held))
         return o.to(query.dtype)
 
     mods = attention_modules(model)
@@ -76,15 +77,17 @@ def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     """What :func:`rdkv.dense.attend` returns for the repetition, at a third of its cost on a CPU: the output and
     each query's log-sum-exp from torch's fused attention, then the probabilities of the first ``held`` keys (the
     record's, the only ones weighed) from their scores and that log-sum-exp, in query chunks. The repetition's
-    own keys are never scored twice, and no probability of theirs is formed."""
+    own keys are never scored twice, and no probability of theirs is formed. The sums include
+    :attr:`rdkv.dense.AttentionSums.drift`."""
     B, Hq, L, D = q.shape
     H = k.shape[1]
     G = Hq // H
     kk, vv = k.to(q.dtype).repeat_interleave(G, 1), v.to(q.dtype).repeat_interleave(G, 1)
     kf = k[:, :, :held].float()
     out = q.new_empty(B, Hq, L, D)
+    readers = kf.new_zeros(B, H, D + 1, held)
     sums = AttentionSums(mass=kf.new_zeros(B, H, held), mass2=kf.new_zeros(B, H, held), q2=kf.new_zeros(B, H, D),
-                         nq=kf.new_full((B,), float(L * G)))  # every repeated token sees itself
+                         nq=kf.new_full((B,), float(L * G)), peak=kf.new_zeros(B, H, held))  # every token sees itself
     chunk = max(1, elements // max(1, B * Hq * k.shape[2]))
     # the chunks' scores and masks grow with their key ranges: carved from one buffer each, so the heap does not
     # grow chunk by chunk (freed blocks too small for the next chunk's tensors stay with the process)
@@ -105,5 +108,8 @@ def _repeat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         torch.matmul(qg, kf[:, :, lo:end].transpose(-1, -2).unsqueeze(2), out=p)
         p.mul_(scaling).sub_(lse.float().unflatten(1, (H, G)).unsqueeze(-1)).exp_().masked_fill_(~ok[:, : end - lo], 0.0)
         sums.mass[..., lo:end] += p.sum((2, 3))
+        torch.maximum(sums.peak[..., lo:end], p.amax((2, 3)), out=sums.peak[..., lo:end])
         sums.mass2[..., lo:end] += p.square_().sum((2, 3))
+        readers[..., lo:end] += reader_sums(p, o.float().unflatten(1, (H, G)))  # p holds p^2 here
+    sums.drift = reader_drift(v[:, :, :held].float(), sums.mass2, readers)
     return out, sums

@@ -33,8 +33,7 @@ def layer_sums(stats: LayerStats, form: str, start: int | None = None, window: i
         if s is None:
             raise RDKVError("weights='reconstruct' needs the record's reconstruction pass (rdkv.reconstruct.reconstruct), "
                             "which rdkv.compress runs")
-        cut = start - stats.start
-        return AttentionSums(s.mass[..., cut:], s.mass2[..., cut:], s.q2, s.nq)
+        return s.keys(slice(start - stats.start, None))
     if form == "window":
         q, q_pos = window_queries(stats, window)
         k_pos = torch.arange(stats.start, stats.seen, device=q.device)

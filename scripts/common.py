@@ -70,6 +70,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # weighed by the context repeated after the prefill (KVzip's reconstruction queries, rdkv.reconstruct)
     "rdkv-recon": ("rdkv", {"weights": "reconstruct"}),
     "rdkv-recon-noprior": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0}),
+    # each token weighed by the largest attention one repetition query paid it (KVzip's score), no prior
+    "rdkv-recon-max": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0, "score": "max"}),
 }
 NAMES = (*rdkv.methods.NAMES, *VARIANTS)
 PARTS = {"spec", "prior", "eviction", "solve"}

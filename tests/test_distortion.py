@@ -308,3 +308,32 @@ def test_sinks_are_the_sequence_s_first_tokens_not_a_sliding_window_s_oldest():
             assert pinned[:, :4].all() and not pinned[:, 4:].any()
         else:
             assert t.dv.shape[2] == 15 and not pinned.any()  # the window: 15 held tokens and the next query
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copying_queries_price_key_errors_by_their_own_outputs(seed):
+    """Queries that each copy one token (92-97% of their attention on it, as the reconstruction pass's do) barely
+    move when K is quantized: the copied token's value is already their output. Priced from each key's distance to
+    the outputs that read it (AttentionSums.drift) the K tables are within 4x of the output error K quantization
+    really causes at 4 and 8 bits (measured 0.68-3.8x over seeds 0-3); priced from one mean output they are 150x
+    or more too high (measured 155-1150x), which made K look dearer than tokens. Evicting a copied token still
+    costs what it did: its readers lose the value they copy, not a key error's nudge."""
+    import dataclasses
+
+    from rdkv import quant
+    from rdkv.dense import attend
+
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D, generator=g)
+    pos, q_pos = torch.arange(T), torch.full((T,), T)
+    out, sums = attend(2.0 * k, k, v, q_pos, pos, D**-0.5, drift=True)  # query i copies token i
+    present = torch.ones(1, 1, T, dtype=torch.bool)
+    measured = layer_tables(k, v, present, sums, D**-0.5, SPEC, T)
+    mean_output = layer_tables(k, v, present, dataclasses.replace(sums, drift=None), D**-0.5, SPEC, T)
+    assert torch.equal(measured.dv, mean_output.dv)
+    page = 32  # rdkv.pages.page_tokens(32, SPEC, 64): one K scale group
+    for bits, width in ((4, 2), (8, 3)):
+        kq = quant.fake_quantize(k.transpose(-1, -2).unflatten(-1, (-1, page)), bits).flatten(-2).transpose(-1, -2)
+        actual = float((attend(2.0 * k, kq, v, q_pos, pos, D**-0.5)[0] - out).square().sum())
+        assert 0.25 < float(measured.dk.sum((0, 1, 2))[width]) / actual < 4
+        assert float(mean_output.dk.sum((0, 1, 2))[width]) / actual > 50

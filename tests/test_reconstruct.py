@@ -47,6 +47,55 @@ def test_sums_are_the_repetition_queries_sums(make, fused, monkeypatch):
     assert len(calls) == (len(rec.layers) if fused else 0)
 
 
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
+def test_fused_path_measures_what_attend_does(make, monkeypatch):
+    """The largest probability per key (KVzip's score) and each key's distance to the outputs that read it
+    (AttentionSums.drift) from torch's fused attention and its log-sum-exp equal rdkv.dense.attend's (which
+    tests/test_dense.py checks against the softmax written out); the peak sits where it must:
+    peak^2 <= mass2 <= peak * mass."""
+    import rdkv.reconstruct as recon_module
+
+    model = make()
+    ids = torch.randint(0, 96, (1, 70), generator=torch.Generator().manual_seed(3))
+    fused, _ = recorded(model, ids)
+    reconstruct(fused)
+    monkeypatch.setattr(recon_module, "_FLASH_CPU", None)
+    plain, _ = recorded(model, ids)
+    reconstruct(plain)
+    for i, st in fused.layers.items():
+        r = st.recon
+        torch.testing.assert_close(r.peak, plain.layers[i].recon.peak, rtol=1e-4, atol=1e-5)
+        assert 0 < r.peak.max() <= 1 + 1e-5
+        assert (r.peak.square() <= r.mass2 + 1e-6).all() and (r.mass2 <= r.peak * r.mass + 1e-6).all()
+        a, b = r.drift, plain.layers[i].recon.drift
+        assert torch.equal(a.isnan(), b.isnan()) and not a.isnan().all()
+        torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-3, atol=1e-5)
+
+
+def test_max_score_and_readers_price_read_the_pass():
+    """score="max" replaces each token's squared-attention sum by its squared peak, scaled to the layer's same
+    total; k_price="readers" hands the distortion model the keys' distances to their readers' outputs
+    (tests/test_distortion.py prices them); both need the reconstruction pass; compress takes them by name."""
+    model = tiny_llama(2)
+    ids = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(4))
+    rec, _ = recorded(model, ids)
+    reconstruct(rec)
+    st = rec.layers[0]
+    top = Weights(form="reconstruct", score="max").sums(st, st.start, False).mass2
+    total = Weights(form="reconstruct").sums(st, st.start, False).mass2.sum()
+    torch.testing.assert_close(top.sum(), total)
+    torch.testing.assert_close(top / top.amax(), st.recon.peak.square() / st.recon.peak.square().amax())
+    assert Weights(form="reconstruct").sums(st, st.start, False).drift is None  # priced from the mean output
+    assert not Weights(form="reconstruct", k_price="readers").sums(st, st.start, False).drift.isnan().all()
+    for bad in ({"score": "max"}, {"k_price": "readers"}):
+        with pytest.raises(rdkv.RDKVError, match="weights='reconstruct'"):
+            Weights(**bad)
+    with pytest.raises(rdkv.RDKVError, match="score='top'"):
+        Weights(form="reconstruct", score="top")
+    cache = rdkv.compress(rec, 0.2, weights="reconstruct", score="max", **SMALL)
+    assert 0 < cache.nbytes <= 0.2 * cache.fp16_bytes
+
+
 def test_compress_runs_the_pass_once_and_weighs_by_it():
     """The first compress with reconstruction weights runs the pass; later ones reuse it; the widths follow the
     sums (they differ from the window's); the cache is within budget and decodes."""

@@ -27,6 +27,8 @@ from ..weights import FORMS, layer_sums, lifetime, per_visible, window_queries
 from .base import Allocation, HeldLayer, Method
 
 DEFAULT_WINDOW = 64  # window queries weigh tokens by default (a record keeps 256)
+SCORES = ("sum", "max")  # Weights.score: a token's squared attention summed over the queries, or its largest
+K_PRICES = ("mean", "readers")  # Weights.k_price: a key error priced from the queries' mean output, or their own
 
 
 def _positive_int(name: str, value) -> None:
@@ -51,7 +53,14 @@ class Weights:
     tokens after it, one-sided: a question attends to a needle's start, and what follows is read while
     the answer is written. ``q_floor`` replaces that fraction of each K channel's query weight by
     the channel mean. ``horizon``: on sliding-window layers, a token is weighed by the share of the next
-    ``horizon`` decode queries that can still see it (:func:`rdkv.weights.lifetime`).
+    ``horizon`` decode queries that can still see it (:func:`rdkv.weights.lifetime`). ``score="max"`` (with
+    ``form="reconstruct"``) weighs each token by the largest attention any one repetition query paid it, squared,
+    as KVzip scores its pairs, in place of the sum over queries: a token one query copies counts as much as one
+    many queries read a little (scaled per layer to the same total, so the prior keeps its share).
+    ``k_price="readers"`` (with ``form="reconstruct"``) prices a key error by the token's distance to the outputs
+    of the queries that read it (:attr:`rdkv.dense.AttentionSums.drift`) rather than to their mean output: a query
+    that copies a token already outputs its value, so the token's key error barely moves it
+    (:mod:`rdkv.distortion`). Eviction keeps its price.
     """
 
     form: str = "window"
@@ -63,10 +72,20 @@ class Weights:
     pool_forward: int = 0
     q_floor: float = 0.0
     horizon: int | None = None
+    score: str = "sum"
+    k_price: str = "mean"
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
             raise RDKVError(f"weights={self.form!r} is not one of {FORMS}")
+        if self.score not in SCORES:
+            raise RDKVError(f"score={self.score!r} is not one of {SCORES}")
+        if self.k_price not in K_PRICES:
+            raise RDKVError(f"k_price={self.k_price!r} is not one of {K_PRICES}")
+        for name, value in (("score", "max"), ("k_price", "readers")):
+            if getattr(self, name) == value and self.form != "reconstruct":
+                raise RDKVError(f"{name}={value!r} reads what the reconstruction pass measures: use it with "
+                                "weights='reconstruct'")
         for name in ("window", "window_sliding", "horizon"):
             _positive_int(name, getattr(self, name))
         _odd("pool_weights", self.pool)
@@ -91,6 +110,11 @@ class Weights:
             sums = per_visible(sums, st, start, window, self.visible, self.visible_cap)
         if prerope:  # a pre-RoPE channel pair shares one rotation: weigh it by the pair's mean
             sums.q2 = pair_mean(sums.q2)
+        if self.k_price == "mean":
+            sums.drift = None
+        if self.score == "max":
+            top = sums.peak.square()
+            sums.mass2 = top * (sums.mass2.sum((1, 2), keepdim=True) / top.sum((1, 2), keepdim=True).clamp_min(1e-30))
         return self.pooled(sums)
 
     def pooled(self, sums: AttentionSums) -> AttentionSums:
@@ -203,6 +227,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "weights": ("weights", "form"), "window": ("weights", "window"), "window_sliding": ("weights", "window_sliding"),
     "visible": ("weights", "visible"), "visible_cap": ("weights", "visible_cap"), "pool_weights": ("weights", "pool"),
     "pool_forward": ("weights", "pool_forward"), "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
+    "score": ("weights", "score"), "k_price": ("weights", "k_price"),
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
