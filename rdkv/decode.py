@@ -11,6 +11,7 @@ import torch
 from . import cpu_decode, reference
 from .backend import backend, triton_kernel
 from .fold import observe
+from .layout import rotate_v
 from .trizone import TriZoneLayer
 
 
@@ -30,6 +31,8 @@ def trizone_decode(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sli
                 query, layer, scaling, sliding_window, softcap, mask)
         if free:
             out = out.clone()
+    if layer.spec.v_rotate:  # every zone holds V rotated: so is the output
+        out = rotate_v(out)
     if layer.fold is not None:
         observe(layer, query, scaling, softcap)
     return out

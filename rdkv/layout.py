@@ -18,6 +18,8 @@ the CPU decode's C products, the Triton launcher, the report and the plots).
 """
 from __future__ import annotations
 
+import functools
+import math
 import weakref
 from dataclasses import dataclass
 from collections.abc import Callable, Hashable
@@ -46,6 +48,9 @@ class PackSpec:
     v_group: int | tuple[int, int, int] = 64
     k_group: int = 128  # tokens per K scale/zero per channel at most: a page (rdkv.pages.page_tokens) is one group
     k_block: int = 16  # channels per K allocation unit (a multiple of 16 keeps GPU dot shapes legal)
+    # every V row (zone C's too) stored times an orthonormal Hadamard matrix (:func:`rotate_v`), decode's output
+    # rotated back: outlier channels spread over the row, which lowers quantization error (docs/experiments.md)
+    v_rotate: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.v_group, list):  # as JSON gives it back (rdkv.io)
@@ -70,6 +75,27 @@ class PackSpec:
                             f"got {self.k_group!r}")
         if self.k_block % 4 or any(g % 4 for _, g in groups):
             raise RDKVError("v_group and k_block must be multiples of 4 (2-bit codes pack 4 per byte)")
+        if not isinstance(self.v_rotate, bool):
+            raise RDKVError(f"v_rotate must be True or False, got {self.v_rotate!r}")
+        if self.v_rotate and head_dim & (head_dim - 1):
+            raise RDKVError(f"v_rotate needs a power-of-two head_dim (a Hadamard matrix of that size), this model's is "
+                            f"{head_dim}: compress with v_rotate=False")
+
+
+@functools.cache
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / math.sqrt(n)).to(torch.float32).to(device)
+
+
+def rotate_v(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., D] times the orthonormal Sylvester-Hadamard matrix of size D, in float32 then back to x's dtype.
+
+    The matrix is symmetric and its own inverse, so the same call rotates V rows into the stored basis and an
+    attention output back out of it (the output is linear in V)."""
+    return (x.float() @ _hadamard(x.shape[-1], x.device)).to(x.dtype)
 
 
 def pos_dtype(length: int) -> torch.dtype:

@@ -95,6 +95,8 @@ def held_layer(model: torch.nn.Module, st, i: int, method: Method) -> HeldLayer:
         pos = torch.arange(start, st.seen, device=k.device)
         rope = rope_table(model, i, k.shape[-1], pos)
         k = rotate(k.float(), pos, rope, inverse=True)
+    if method.spec.v_rotate:  # priced and packed in the stored basis (a copy of the layer's V)
+        v = layout.rotate_v(v)
     return HeldLayer(st, k, v, start, st.valid[:, None, start:].expand(*k.shape[:3]), rope)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layout
+from . import layout, pages
 from .dense import allowed_keys
 from .trizone import TriZoneLayer
 
@@ -50,7 +50,8 @@ def queries(query: torch.Tensor, layer: TriZoneLayer, sliding_window: int | None
 
 def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, sliding_window: int | None = None,
                       softcap: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D].
+    """query [B, Hq, L, D] (the L newest tokens, already appended to zone C) -> out [B, Hq, L, D], in the basis V
+    is stored in (:func:`rdkv.decode.trizone_decode` rotates it back under ``spec.v_rotate``).
 
     ``mask``, if given, is transformers' bool mask over absolute positions [B, 1, L, >=seq_len]; its
     columns are gathered at the positions of the kept tokens.
@@ -60,7 +61,7 @@ def trizone_attention(query: torch.Tensor, layer: TriZoneLayer, scaling: float, 
     c_pos = torch.arange(layer.c_start, seq, device=query.device)
     parts = []
     for seg in layer.segments():
-        K, V, pos, valid = seg.dequantize()
+        K, V, pos, valid = pages.dequantize_segment(seg)  # V in the stored basis, as zone C
         ok = allowed_keys(q_pos, pos, window) & valid.unsqueeze(1)  # [S, G*L, N]
         if m is not None:
             ok = ok & m.gather(2, pos.unsqueeze(1).expand_as(ok))

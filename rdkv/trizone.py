@@ -55,6 +55,8 @@ class TriZoneLayer(CacheLayerMixin):
                 f"{(self.batch, self.heads)}: continue with the same batch the cache was compressed from"
             )
         kc, vc = layout.zone_c(self)
+        if self.spec.v_rotate:
+            value_states = layout.rotate_v(value_states.float())
         layout.set_zone_c(self, torch.cat([kc, key_states.to(self.dtype16)], 2),
                           torch.cat([vc, value_states.to(self.dtype16)], 2))
         return self, self
@@ -109,9 +111,10 @@ class TriZoneLayer(CacheLayerMixin):
         return layout.k_widths(self)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Zones A+B as dense float32 K, V [S, Nmax, D], positions [S, Nmax] and validity [S, Nmax] (the torch
-        reference; the decode paths never unpack a whole segment)."""
-        return pages.dequantize_segment(self)
+        """Zones A+B as dense float32 K, V [S, Nmax, D] (V rotated back to the model's basis under ``v_rotate``),
+        positions [S, Nmax] and validity [S, Nmax]; the decode paths never unpack a whole segment."""
+        K, V, pos, valid = pages.dequantize_segment(self)
+        return K, layout.rotate_v(V) if self.spec.v_rotate else V, pos, valid
 
 
 def pack_layer(k: torch.Tensor, v: torch.Tensor, start: int, v_width: torch.Tensor, k_bits: torch.Tensor,

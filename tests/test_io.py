@@ -257,3 +257,15 @@ def test_v_group_per_width_round_trips(tmp_path):
     assert cache.layers[0].spec.v_group == (32, 16, 8)
     save(cache, tmp_path / "w")
     assert_identical(cache, load(tmp_path / "w"))
+
+
+def test_rotated_values_round_trip(tmp_path):
+    model, ids = tiny_llama(3), torch.randint(0, 96, (1, 80))
+    rec, _ = recorded(model, ids)
+    cache = rdkv.compress(rec, 0.3, v_rotate=True, **SMALL)
+    save(cache, tmp_path / "r")
+    got = load(tmp_path / "r")
+    assert got.layers[0].spec.v_rotate
+    assert_identical(cache, got)
+    nxt = torch.randint(0, 96, (1, 4))
+    assert torch.equal(model(nxt, past_key_values=cache).logits, model(nxt, past_key_values=got).logits)

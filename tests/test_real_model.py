@@ -33,6 +33,17 @@ def run():
     at = next(i for i in range(ctx.shape[1]) if ctx[0, i : i + len(ans)].tolist() == ans)
     out["needle_peak"] = torch.stack([st.recon.peak[0, :, at : at + len(ans)] for st in rec.layers.values()])
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0]
+    rotated = rdkv.compress(rec, 1.0, v_rotate=True)
+    out["rotated"] = model(tail, past_key_values=rotated).logits[0]
+    out["v_error"] = {}  # KIVI's 2-bit V rows, plain and rotated: (bytes, relative squared error of V)
+    for rot in (False, True):
+        c = rdkv.compress(rec, method="kivi2", v_rotate=rot)
+        err = []
+        for layer, f in zip(c.layers, full.layers):  # KIVI keeps every token: put each row back at its position
+            _, V, pos, _ = layer.dequantize()
+            want = f.values[0]
+            err.append(torch.zeros_like(want).scatter_(1, pos.long().unsqueeze(-1).expand_as(V), V) - want)
+        out["v_error"][rot] = (c.nbytes, sum(e.square().sum() for e in err) / sum(f.values.square().sum() for f in full.layers))
     return out
 
 
@@ -51,6 +62,15 @@ def test_budget_one_matches_the_full_cache(run):
     # fp32 model, cache rounded to fp16: measured ~0.02 on SmolLM2
     assert (logits - run["full"]).abs().max() < 5e-2
     assert torch.equal(logits.argmax(-1), run["full"].argmax(-1))
+
+
+def test_rotated_values_decode_in_the_model_s_basis(run):
+    # every V row and the tail's own stored times a Hadamard matrix, rounded to fp16 there: as close as budget 1.0
+    assert (run["rotated"] - run["full"]).abs().max() < 5e-2
+    assert torch.equal(run["rotated"].argmax(-1), run["full"].argmax(-1))
+    (plain_bytes, plain), (rot_bytes, rot) = run["v_error"][False], run["v_error"][True]
+    assert rot_bytes == plain_bytes
+    assert rot < 0.95 * plain  # measured 0.92x (the 16-bit residual rows count in both)
 
 
 def test_quarter_budget_answers_the_probe(run):
