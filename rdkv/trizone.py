@@ -56,7 +56,7 @@ class TriZoneLayer(CacheLayerMixin):
             )
         kc, vc = layout.zone_c(self)
         if self.spec.v_rotate:
-            value_states = layout.rotate_v(value_states.float())
+            value_states = layout.rotate_v(value_states)
         layout.set_zone_c(self, torch.cat([kc, key_states.to(self.dtype16)], 2),
                           torch.cat([vc, value_states.to(self.dtype16)], 2))
         return self, self

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 import rdkv
 from common import domain_text, settings, split_method
 from rdkv import quant
-from rdkv.layout import rotate_v
+from rdkv.layout import PackSpec, rotate_v
 
 
 def rel_error(x: torch.Tensor, bits: int) -> float:
@@ -28,12 +28,14 @@ def rel_error(x: torch.Tensor, bits: int) -> float:
 
 def layer_errors(k: torch.Tensor, v: torch.Tensor, bits: int) -> list[float]:
     """[V plain, V rotated, K plain, K rotated] at ``bits`` for one layer's k, v [B, H, T, D]."""
+    spec = PackSpec()  # the default groups: V rows of v_group channels, K channels over k_group tokens
+
     def rows(x):
-        return x.unflatten(-1, (-1, min(64, x.shape[-1])))
+        return x.unflatten(-1, (-1, min(spec.v_group, x.shape[-1])))
 
     def channels(x):
-        T = x.shape[-2] // 128 * 128
-        return x[..., :T, :].transpose(-1, -2).unflatten(-1, (-1, 128))
+        T = x.shape[-2] // spec.k_group * spec.k_group
+        return x[..., :T, :].transpose(-1, -2).unflatten(-1, (-1, spec.k_group))
 
     return [rel_error(rows(v), bits), rel_error(rows(rotate_v(v)), bits),
             rel_error(channels(k), bits), rel_error(channels(rotate_v(k)), bits)]

@@ -161,7 +161,7 @@ def test_rotated_v_is_stored_rotated_and_decoded_back():
     layer = pack_layer(k, layout.rotate_v(v), 0, vw, kb, perm, rot, torch.float16, None, T)
     assert layer.nbytes == plain.nbytes  # the rotation is free in bytes
     torch.testing.assert_close(layout.rotate_v(layout.rotate_v(v)), v, rtol=0, atol=1e-5)  # its own inverse
-    (_, Vr, pos, valid), (_, Vp, _, _) = layer.dequantize(), plain.dequantize()
+    (Kr, Vr, pos, valid), (_, Vp, _, _) = layer.dequantize(), plain.dequantize()
     at = pos.clamp(0, T - 1).unsqueeze(-1).expand(-1, -1, D)  # the true row of every kept slot
     want = v.reshape(B * H, T, D).gather(1, at)
     width = vw.reshape(B * H, T).gather(1, pos.clamp(0, T - 1))
@@ -184,7 +184,7 @@ def test_rotated_v_is_stored_rotated_and_decoded_back():
     for b in range(B):
         for h in range(H):
             s = b * H + h
-            Kall = torch.cat([layer.dequantize()[0][s][valid[s]], kc[b, h].half().float()])
+            Kall = torch.cat([Kr[s][valid[s]], kc[b, h].half().float()])
             Vall = torch.cat([Vr[s][valid[s]], vc[b, h]])
             kpos = torch.cat([pos[s][valid[s]], torch.arange(T, seq)])
             for gi in range(G):
