@@ -4,7 +4,7 @@
     python scripts/eval_kvpress.py --contexts 1000 2000 --budgets 0.025 0.05 0.1 0.25 0.5
 
 kvpress 0.5.5 needs transformers < 5.3, so this runs in an environment with transformers 5.2.x, kvpress
-and rdkv (editable) installed side by side. Probes and protocols are those of eval_retrieval.py:
+and rdkv (editable) installed side by side: ``./dev kvpress scripts/eval_kvpress.py ...`` sets it up. Probes and protocols are those of eval_retrieval.py:
 ``agnostic`` prefills the context and teacher-forces question + answer through the cache; ``aware``
 prefills context + question[:-1] and teacher-forces the last question token + answer.
 
@@ -52,6 +52,9 @@ PRESSES = {
     "streaming": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
     "knorm": lambda r: kvpress.KnormPress(compression_ratio=r),
     "tova": lambda r: kvpress.TOVAPress(compression_ratio=r),
+    # KVzip: each entry scored by its largest attention while the model repeats the context (one extra pass);
+    # like AdaKV it keeps the whole cache and masks the evicted entries, ragged across layers and heads
+    "kvzip": lambda r: kvpress.KVzipPress(compression_ratio=r),
 }
 
 
@@ -89,18 +92,24 @@ def press_prefill(model, name: str, budget: float, prefix: torch.Tensor) -> Dyna
     return cache
 
 
+def unmasked_fraction(model, cache: DynamicCache, T: int) -> float | None:
+    """The fraction of the first ``T`` positions' (layer, head, position) entries a masking press (AdaKV, KVzip)
+    left visible; None for a press that evicts by shortening the cache."""
+    masks = [getattr(m, "masked_key_indices", None) for m in attention_modules(model)]
+    if all(x is None for x in masks):
+        return None
+    heads = cache.layers[0].keys.shape[1]
+    return 1.0 - sum(len(x[0]) for x in masks if x is not None) / (len(cache.layers) * heads * T)
+
+
 def run_press(model, name: str, budget: float, prefix: torch.Tensor, tail: torch.Tensor, fp16: int) -> dict:
     """One press at one budget: prefill under the press, feed the tail without it."""
     T = prefix.shape[1]
     cache = press_prefill(model, name, budget, prefix)
     held = held_bytes(cache)
     kept = sum(layer.keys.shape[2] for layer in cache.layers) / (len(cache.layers) * T)
-    ideal = None
-    masks = [getattr(m, "masked_key_indices", None) for m in attention_modules(model)]
-    if any(x is not None for x in masks):  # AdaKV: entries hidden at decode, still held
-        heads = cache.layers[0].keys.shape[1]
-        hidden = sum(len(x[0]) for x in masks if x is not None)
-        ideal = 1.0 - hidden / (len(cache.layers) * heads * T)
+    ideal = unmasked_fraction(model, cache, T)
+    if ideal is not None:  # AdaKV, KVzip: entries hidden at decode, still held
         kept = ideal
     logits = fed(model, cache, tail, T)
     clear_head_masks(model)

@@ -16,9 +16,13 @@ where the model's weights are (``--device cuda`` on a GPU).
 after rdkv's rows, the model gets its own attention back, each press prefills the same prefix on a fresh cache at
 compression ratio 1 - budget, and the answer is decoded with no press active and explicit positions (an evicted
 cache is shorter than the positions it covers). A press is charged its K and V elements at 2 bytes each over the
-fp16 bytes of the full cache. kvpress needs transformers < 5.3: run from the environment eval_kvpress.py describes
-(``python eval_ruler.py ... --presses snapkv streaming knorm``). Gemma 3 cannot run there under its name:
-transformers 5.2 converts its tokenizer into single characters, which ``rdkv.models.load`` refuses.
+fp16 bytes of the full cache; a press that masks entries instead of dropping them (AdaKV, KVzip: they hold the
+whole cache) is charged the entries it leaves visible at 2 bytes each, as if its ragged selection were stored
+compactly and its indices were free. ``--press-budgets`` gives the presses budgets of their own (KVzip at 30% of
+the tokens beside rdkv at 10% of the bytes). kvpress needs transformers < 5.3: ``./dev kvpress scripts/eval_ruler.py
+... --presses kvzip expected`` runs in an environment with both. Gemma 3 cannot run there under its name: transformers
+5.2 converts its tokenizer into single characters, which ``rdkv.models.load`` refuses; and kvpress 0.5.5's KVzip
+refuses Gemma 3 and its ExpectedAttention fails on it.
 """
 from __future__ import annotations
 
@@ -80,8 +84,8 @@ def cases(args) -> list[tuple]:
 
 def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.Tensor, full, todo):
     """Yield (``kvpress:<press>``, budget, cache, bytes/fp16) for every press and budget ``todo(name, budget)`` asks
-    for, with the model's own attention, charged against the ``full`` cache's fp16 bytes; AdaKV's head masks are
-    cleared once each cache has been answered."""
+    for, with the model's own attention, charged against the ``full`` cache's fp16 bytes (a masking press: the
+    entries it leaves visible); the head masks are cleared once each cache has been answered."""
     import eval_kvpress as kvp
 
     fp16 = kvp.held_bytes(full)
@@ -89,7 +93,8 @@ def press_caches(model, presses: list[str], budgets: list[float], prefix: torch.
         for b in budgets:
             if todo(f"kvpress:{name}", b):
                 cache = kvp.press_prefill(model, name, b, prefix)
-                yield f"kvpress:{name}", b, cache, kvp.held_bytes(cache) / fp16
+                visible = kvp.unmasked_fraction(model, cache, prefix.shape[1])
+                yield f"kvpress:{name}", b, cache, visible if visible is not None else kvp.held_bytes(cache) / fp16
                 kvp.clear_head_masks(model)
 
 
@@ -124,7 +129,7 @@ def run(args, model, tok, path) -> None:
                 missing = lambda m, b: any(key not in done for key in keys(m, b))  # noqa: E731
                 todo = [m for m in args.methods  # a resumed case compresses only what it has not answered
                         if any(missing(m, b) for b in settings(split_method(m)[0], args.budgets))]
-                pending = any(missing(f"kvpress:{p}", b) for p in args.presses for b in args.budgets)
+                pending = any(missing(f"kvpress:{p}", b) for p in args.presses for b in args.press_budgets)
                 if not todo and not pending and not missing("full", None):
                     continue
                 with rdkv.record(model, all_queries=all_queries) as rec:
@@ -134,7 +139,8 @@ def run(args, model, tok, path) -> None:
                 answer_all(caches)
                 if pending:  # the presses run with the model's own attention, after rdkv's caches are answered
                     model.set_attn_implementation(plain)
-                    answer_all(press_caches(model, args.presses, args.budgets, prefix, full, missing), prefix.shape[1])
+                    answer_all(press_caches(model, args.presses, args.press_budgets, prefix, full, missing),
+                               prefix.shape[1])
 
 
 def summarise(rows: list[dict], tasks: list[str]) -> list[dict]:
@@ -176,14 +182,17 @@ def main() -> None:
     ap.add_argument("--protocols", nargs="+", default=["agnostic", "aware"], choices=["agnostic", "aware"])
     ap.add_argument("--haystack", default="prose", choices=ruler.HAYSTACKS)
     ap.add_argument("--presses", nargs="+", default=[], metavar="PRESS",
-                    help="kvpress presses to add (snapkv, adakv, expected, streaming, knorm, tova); needs kvpress")
+                    help="kvpress presses to add (snapkv, adakv, expected, streaming, knorm, tova, kvzip); needs kvpress")
+    ap.add_argument("--press-budgets", type=float, nargs="+", metavar="B",
+                    help="the presses' budgets (fraction of tokens kept); default: --budgets")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--report-only", action="store_true", help="write the table and plot from the answers so far")
     args = ap.parse_args()
     if args.presses and kvpress is None:
-        ap.error("--presses needs kvpress, which needs transformers < 5.3: run in that environment")
+        ap.error("--presses needs kvpress, which needs transformers < 5.3: run it as ./dev kvpress scripts/eval_ruler.py ...")
     if args.quick:
         args.samples, args.budgets = 1, [0.025, 0.1]
+    args.press_budgets = args.press_budgets or args.budgets
     tag = args.tag or ("quick" if args.quick else "full")
     torch.set_grad_enabled(False)
     name = f"ruler_{args.model}_{tag}"
