@@ -161,12 +161,14 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     fp16: dict[int, list[int]] = {}
     distortion: dict[int, float] = {}
     staged: dict[int, tuple[LayerStats, tuple, tuple]] = {}
+    carried: list[torch.Tensor | None] = [None]  # the prior's profile from the layers packed so far (in order)
 
     def pack(i: int, st: LayerStats, surprise: torch.Tensor | None) -> None:
         held = held_layer(model, st, i, m)
         fp16[i] = [fp16_bytes(int(n), held.k.shape[-1]) for n in held.present.sum((1, 2))]
+        tables, carried[0] = m.tables(held, surprise, carried=carried[0])
         try:
-            alloc = m.solved([m.tables(held, surprise)], fp16[i], budget)
+            alloc = m.solved([tables], fp16[i], budget)
         except Infeasible as e:
             raise BudgetInfeasible(f"budget {budget} is too small for layer {i} ({e}); raise the budget") from e
         distortion[i] = alloc.layer_distortion[0]

@@ -286,3 +286,33 @@ def test_report_names_the_layers_that_hold_the_modelled_distortion(llama):
     line = next(x for x in str(cache.report()).splitlines() if x.startswith("modelled distortion"))
     assert f"{cache.distortion:.4g}" in line and f"layers {top} ({d[top] / sum(d):.0%})" in line
     assert "modelled distortion" not in str(rdkv.compress(rec, method="int4", **SMALL).report())
+
+
+def test_carried_profile_is_each_token_s_largest_share_of_an_earlier_layer_s_evictable_weight():
+    """Prior.carried: per head, each evictable token's share of the head's weight (protected tokens out), the
+    largest over heads, then over layers; positions a layer does not hold (before ``start``) carry nothing."""
+    from rdkv.methods import Prior
+
+    mass2 = torch.tensor([[[4.0, 1.0, 1.0, 2.0], [0.0, 3.0, 1.0, 0.0]]])  # [B=1, H=2, T=4] at positions 1..4
+    keep = torch.tensor([True, True, True, False]).expand(1, 2, 4)  # position 4 is protected
+    first = Prior.carried(None, mass2, keep, start=1)
+    assert first.shape == (1, 5)
+    torch.testing.assert_close(first, torch.tensor([[0.0, 4 / 6, 3 / 4, 1 / 4, 0.0]]))
+    later = Prior.carried(first, torch.tensor([[[0.0, 0.0, 0.0, 1.0, 9.0]]]), torch.ones(1, 1, 5, dtype=torch.bool), 0)
+    torch.testing.assert_close(later, torch.tensor([[0.0, 4 / 6, 3 / 4, 1 / 4, 0.9]]))  # max(1/4, 1/10)
+
+
+def test_carry_prices_a_layer_by_what_the_layers_before_it_weighed(llama):
+    """carry=1: the first layer is priced as before; the next one's quantized prices rise on exactly the tokens
+    the first layer weighed (never on its protected sinks and recent window, which carry nothing)."""
+    rec, _ = recorded(llama, torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(3)))
+    _, plain, _ = rdkv.pipeline.allocation_tables(rec, **SMALL)
+    m, carried, _ = rdkv.pipeline.allocation_tables(rec, carry=1.0, **SMALL)
+    assert m.prior.carry == 1.0
+    torch.testing.assert_close(carried[0].dv, plain[0].dv, rtol=0, atol=0)
+    rise = carried[1].dv[..., 1:] / plain[1].dv[..., 1:]  # [B, H, T, widths]: the token's weight, for every width
+    assert (rise >= 1 - 1e-6).all()
+    protected = torch.zeros(120, dtype=torch.bool)
+    protected[:4], protected[-32:] = True, True  # Eviction's defaults: 4 sinks, 32 recent tokens
+    torch.testing.assert_close(rise[:, :, protected], torch.ones_like(rise[:, :, protected]))
+    assert (rise[:, :, ~protected] > 1 + 1e-3).float().mean() > 0.5

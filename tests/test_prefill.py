@@ -24,7 +24,7 @@ def compressed(model, ids, mask=None, all_queries=False, **options):
 
 
 @pytest.mark.parametrize("case", ["llama", "llama-left-padded", "gemma3", "prerope", "all-queries", "aware", "joint",
-                                  "mlp-chunks"])
+                                  "mlp-chunks", "carry"])
 def test_layerwise_cache_is_what_compress_packs(case):
     model = tiny_gemma3() if case == "gemma3" else tiny_llama()
     ids = torch.randint(0, 96, (2, 90))
@@ -33,7 +33,7 @@ def test_layerwise_cache_is_what_compress_packs(case):
         mask = torch.ones_like(ids)
         mask[1, :11] = 0
     options = {"prerope": {"prerope": True}, "all-queries": {"weights": "all"}, "aware": {"method": "rdkv-aware"},
-               "joint": {"evict_jointly": True}}.get(case, {})
+               "joint": {"evict_jointly": True}, "carry": {"method": "rdkv-aware", "carry": 1.0}}.get(case, {})
     want = compressed(model, ids, mask, all_queries=case == "all-queries", **SMALL, **options)
     chunk = {"mlp_chunk": 16} if case == "mlp-chunks" else {}  # each MLP over 16 tokens at a time: at this width, the same cache
     got = rdkv.prefill(model, ids, 0.3, attention_mask=mask, mode="layer", **SMALL, **options, **chunk)

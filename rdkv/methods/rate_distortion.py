@@ -135,16 +135,32 @@ class Weights:
 class Prior:
     """The squared attention a future query is expected to put on each token beyond what the prefill's did:
     ``surprisal`` x each token's surprisal (max-pooled over ``pool`` neighbours, so a whole improbable span
-    counts), normalised per head, plus a uniform ``floor / T`` (:mod:`rdkv.distortion`)."""
+    counts), normalised per head, plus a uniform ``floor / T`` (:mod:`rdkv.distortion`), plus ``carry`` x the
+    share of the weight the earlier global layers gave each token (:meth:`carried`), normalised per head: a layer
+    whose own queries look elsewhere still keeps what the layers before it found (the last global layer of a
+    model that reads a question's needle in its middle layers)."""
 
     floor: float = 0.0
     surprisal: float = 0.5
     pool: int = 7
+    carry: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.floor >= 0 and self.surprisal >= 0):
-            raise RDKVError("surprisal and floor must be >= 0")
+        if not (self.floor >= 0 and self.surprisal >= 0 and self.carry >= 0):
+            raise RDKVError("surprisal, floor and carry must be >= 0")
         _odd("pool", self.pool)
+
+    @staticmethod
+    def carried(previous: torch.Tensor | None, mass2: torch.Tensor, keep: torch.Tensor, start: int) -> torch.Tensor:
+        """The running profile [B, seen] after a global layer whose token weights are ``mass2`` [B, H, T] (positions
+        ``start`` to seen - 1; ``keep`` [B, H, T] marks those the layer may evict): each token's share of its head's
+        evictable weight, the largest over heads and over this and the earlier global layers. Protected tokens
+        (sinks, the recent window) are left out: they are kept anyway, and a sink's share would swamp the rest."""
+        m = mass2 * keep
+        share = (m / m.sum(-1, keepdim=True).clamp_min(1e-30)).amax(1)
+        now = share.new_zeros(share.shape[0], start + share.shape[-1])
+        now[:, start:] = share
+        return now if previous is None else torch.maximum(previous, now)
 
     def surprise(self, rec: Record) -> torch.Tensor | None:
         """Pooled surprisal of every prefill token [B, T], or None when the prior does not use it."""
@@ -152,11 +168,13 @@ class Prior:
             return None
         return F.max_pool1d(rec.surprisal().unsqueeze(1), self.pool, 1, self.pool // 2).squeeze(1)
 
-    def of_layer(self, present: torch.Tensor, surprise: torch.Tensor | None, start: int) -> torch.Tensor:
+    def of_layer(self, present: torch.Tensor, surprise: torch.Tensor | None, start: int,
+                 carried: torch.Tensor | None = None) -> torch.Tensor:
         prior = self.floor / present.sum(-1, keepdim=True).clamp_min(1)
-        if surprise is not None:
-            s = surprise[:, None, start:] * present
-            prior = prior + self.surprisal * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
+        for strength, x in ((self.surprisal, surprise), (self.carry, carried)):
+            if strength and x is not None:
+                s = x[:, None, start:] * present
+                prior = prior + strength * s / s.sum(-1, keepdim=True).clamp_min(1e-9)
         return prior
 
 
@@ -229,6 +247,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "pool_forward": ("weights", "pool_forward"), "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
     "score": ("weights", "score"), "k_price": ("weights", "k_price"),
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
+    "carry": ("prior", "carry"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
@@ -279,26 +298,35 @@ class RDKV(Method):
             raise RDKVError("weights='all' needs every prefill query: record with rdkv.record(model, all_queries=True)")
         return replace(self, weights=replace(self.weights, window=self.weights.window or min(DEFAULT_WINDOW, rec.window)))
 
-    def tables(self, layer: HeldLayer, surprise: torch.Tensor | None, gain: float = 1.0) -> LayerTables:
-        """The solver tables of one held layer; ``surprise`` is :meth:`Prior.surprise` of the record."""
+    def tables(self, layer: HeldLayer, surprise: torch.Tensor | None, gain: float = 1.0,
+               carried: torch.Tensor | None = None) -> tuple[LayerTables, torch.Tensor | None]:
+        """The solver tables of one held layer, and the profile it carries to the next (:meth:`Prior.carried`;
+        None while ``carry`` is 0). Layers go in order, each given the previous one's profile as ``carried``;
+        ``surprise`` is :meth:`Prior.surprise` of the record."""
         st, k, v, start, present, _ = layer
-        w = self.weights
+        w, ev = self.weights, self.eviction
         sums = w.sums(st, start, self.prerope)
-        prior = self.prior.of_layer(present, surprise, start)
+        prior = self.prior.of_layer(present, surprise, start, carried)
+        protect = ev.protect(st, start, present)
+        if self.prior.carry and st.sliding_window is None:
+            carried = self.prior.carried(carried, sums.mass2, present & ~protect, start)
         if w.horizon and st.sliding_window is not None:
             life = lifetime(torch.arange(start, st.seen, device=k.device), st.seen, st.sliding_window, w.horizon)
             sums.mass2, prior = sums.mass2 * life, prior * life
-        ev = self.eviction
-        return layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
-                            w.q_floor, protect=ev.protect(st, start, present), prerope=self.prerope, gain=gain,
-                            joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
+        tables = layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
+                              w.q_floor, protect=protect, prerope=self.prerope, gain=gain,
+                              joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
+        return tables, carried
 
     def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
         gains = self.solve.layer_gains or (1.0,) * len(layers)
         if len(gains) != len(layers):
             raise RDKVError(f"layer_gains has {len(gains)} entries for a model of {len(layers)} layers")
-        surprise = self.prior.surprise(rec)
-        return [self.tables(h, surprise, g) for h, g in zip(layers, gains)]
+        surprise, carried, out = self.prior.surprise(rec), None, []
+        for h, g in zip(layers, gains):
+            tables, carried = self.tables(h, surprise, g, carried)
+            out.append(tables)
+        return out
 
     def solved(self, tables: list[LayerTables], fp16: list[int], budget: float) -> Allocation:
         v, k = self.solve(tables, [budget * f for f in fp16])
