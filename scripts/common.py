@@ -55,6 +55,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "rdkv-1pass": ("rdkv", {"passes": 1}),
     "rdkv-v0": ("rdkv", {"scope": "global", "passes": 1}),  # the first default: one knapsack, K priced for every token
     "rdkv-aware-v0": ("rdkv-aware", {"pool_forward": 0}),  # rdkv-aware until 2026-12-02: no forward reach
+    # also keeps what the earlier global layers weighed (Prior.carry): the question-in-prompt 2.5% cells
+    "rdkv-aware-carry": ("rdkv-aware", {"carry": 0.5}),
     "rdkv-noprotect": ("rdkv", {"sinks": 0, "recent": 0}),
     "rdkv-noevict": ("rdkv", {"evict": False}),
     "rdkv-noprior": ("rdkv", {"surprisal": 0.0}),  # no reserve for unseen questions at all
