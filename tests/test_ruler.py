@@ -3,6 +3,7 @@ import argparse
 import collections
 import copy
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -75,10 +76,12 @@ def test_summary_is_per_task_mean_and_share_of_the_full_cache():
              "score": s} for m, b, r, t, k, s in [
         ("full", None, 1.0, "niah_single", 0, 1.0), ("full", None, 1.0, "multi_needle", 0, 1.0),
         ("full", None, 1.0, "multi_needle", 0, 1.0), ("rdkv", 0.1, 0.099, "niah_single", 0, 1.0),
-        ("rdkv", 0.1, 0.099, "multi_needle", 0, 1.0), ("rdkv", 0.1, 0.099, "multi_needle", 0, 0.0)]]
-    full, got = eval_ruler.summarise(rows, ["niah_single", "multi_needle"])
+        ("rdkv", 0.1, 0.099, "multi_needle", 0, 1.0), ("rdkv", 0.1, 0.099, "multi_needle", 0, 0.0),
+        ("rdkv-x", 0.1, 0.1, "niah_single", 0, 1.0)]]
+    full, got, single_only = eval_ruler.summarise(rows, ["niah_single", "multi_needle"])
     assert full["mean"] == 100 and full["all 3 needles"] == "1/1"
     assert got["multi_needle"] == 50 and got["mean"] == 75 and got["% of full"] == 75 and got["all 3 needles"] == "0/1"
+    assert single_only["all 3 needles"] == "-" and single_only["mean"] == 100 and math.isnan(single_only["multi_needle"])
 
 
 def test_a_run_on_a_real_model_scores_every_cache_and_resumes(tmp_path, monkeypatch):
