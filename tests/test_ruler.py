@@ -127,8 +127,9 @@ def test_greedy_with_explicit_positions_answers_as_the_cache_length_does():
 
 
 def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_layer(monkeypatch, capsys):
-    """scripts/diag_needles.py on SmolLM2: the four multi-key needles are found at the tokens that spell them, and
-    every layer gets one row per budget whose cells are shares of those tokens."""
+    """scripts/diag_needles.py on SmolLM2: the four multi-key needles are found at the tokens that spell them,
+    every layer gets one row per method and budget whose cells are shares of those tokens, and each cache's greedy
+    answer is printed beside the full cache's."""
     import diag_needles
     from conftest import load_real
 
@@ -142,7 +143,9 @@ def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_laye
     monkeypatch.setattr(diag_needles.rdkv.models, "load", lambda name: (model, tok))
     monkeypatch.setattr(sys, "argv", ["diag_needles.py", "--model", "smollm2-135m", "--context", "1000", "--budgets", "0.1"])
     diag_needles.main()
-    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 0.1 |")]
-    assert len(rows) == model.config.num_hidden_layers
-    shares = [int(c.split("%")[0]) for r in rows for c in r.split("|")[5:-1]]
-    assert len(shares) == 4 * len(rows) and all(0 <= x <= 100 for x in shares) and max(shares) > 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [r for r in out if r.startswith("| rdkv-aware | 0.1 | ")]
+    assert len(rows) == model.config.num_hidden_layers + 1  # every layer, then the answer
+    shares = [int(c.split("%")[0]) for r in rows[:-1] for c in r.split("|")[6:-1]]
+    assert len(shares) == 4 * (len(rows) - 1) and all(0 <= x <= 100 for x in shares) and max(shares) > 0
+    assert sum(r.startswith("| full | - | '") for r in out) == 1 and rows[-1].count("'") >= 2
