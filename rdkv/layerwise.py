@@ -161,12 +161,13 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     fp16: dict[int, list[int]] = {}
     distortion: dict[int, float] = {}
     staged: dict[int, tuple[LayerStats, tuple, tuple]] = {}
-    carried: list[torch.Tensor | None] = [None]  # the prior's profile from the layers packed so far (in order)
+    carried: torch.Tensor | None = None  # the prior's profile from the layers packed so far (in order)
 
     def pack(i: int, st: LayerStats, surprise: torch.Tensor | None) -> None:
+        nonlocal carried
         held = held_layer(model, st, i, m)
         fp16[i] = [fp16_bytes(int(n), held.k.shape[-1]) for n in held.present.sum((1, 2))]
-        tables, carried[0] = m.tables(held, surprise, carried=carried[0])
+        tables, carried = m.tables(held, surprise, carried=carried)
         try:
             alloc = m.solved([tables], fp16[i], budget)
         except Infeasible as e:
