@@ -86,6 +86,9 @@ class LayerTables:
     # eviction cost [H, T] of sequence b's tokens once a pass has kept ``kept`` [H, T]; each allocation
     # pass raises dv[..., 0] to it (evict_to="kept", evict_jointly); None = eviction is priced once
     reprice: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+    # [B, H, T] the largest attention any reconstruction query paid each token (rdkv.reconstruct), None for
+    # other weights: what split="peak" ranks the tokens of every layer by (rdkv.solvers.allocate.layer_budgets)
+    peak: torch.Tensor | None = None
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""
@@ -201,7 +204,7 @@ def layer_tables(k: torch.Tensor, v: torch.Tensor, present: torch.Tensor, sums: 
         reprice = joint_reprice(dv[..., 0], present, sums.nq, joint, held_v, scaling)
     protect = torch.zeros_like(present) if protect is None else protect & present
     return LayerTables(dv, v_row_bytes(spec, D, end), present, dk, perm, spec, page,
-                       fixed_bytes(H, D, spec, prerope), sums.nq, protect, reprice)
+                       fixed_bytes(H, D, spec, prerope), sums.nq, protect, reprice, sums.peak)
 
 
 def eviction_cross(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -160,12 +160,12 @@ def _reprice(t, b: int, dv: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     return dv
 
 
-def allocate(tables: list, budgets: list[float], scope: str = "global",
-             passes: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def allocate(tables: list, budgets: list[float], scope: str = "global", passes: int = 3,
+             split: str = "bytes") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Option indices per V token [B, H, T] and per K block [B, H, nb], one entry per layer.
 
-    ``budgets[b]`` is sequence b's byte budget; ``scope="layer"`` splits it across layers in proportion
-    to each layer's fp16 bytes instead of solving all layers together.
+    ``budgets[b]`` is sequence b's byte budget; ``scope="layer"`` splits it across layers
+    (:func:`layer_budgets`, by ``split``) instead of solving all layers together.
     """
     if scope not in ("global", "layer"):
         raise ValueError(f"unknown allocation scope {scope!r}; use 'global' or 'layer'")
@@ -174,13 +174,47 @@ def allocate(tables: list, budgets: list[float], scope: str = "global",
         if scope == "global":
             per_seq.append(_solve_sequence(tables, b, budget, passes))
             continue
-        fp16 = torch.tensor([float(t.present[b].sum()) * t.rv[-1].item() for t in tables])
-        share = fp16 / fp16.sum()
-        parts = [_solve_sequence([t], b, budget * float(f), passes) for t, f in zip(tables, share)]
+        parts = [_solve_sequence([t], b, part, passes) for t, part in zip(tables, layer_budgets(tables, b, budget, split))]
         per_seq.append(([p[0][0] for p in parts], [p[1][0] for p in parts]))
     v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
     k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]
     return v, k
+
+
+SPLITS = ("bytes", "peak")
+PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this option (4 bits)
+
+
+def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> list[float]:
+    """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
+    ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
+    channel means, a page more per stream) plus, of the rest, its share of one top-k over the evictable tokens of
+    every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak`, the largest attention a
+    reconstruction query paid them, with k what the budget buys at 4 bits (a V row and about as much K per token). That is KVzip's ranking (Kim et al.
+    2025: one top-k over all layers and heads): the layers that copy from the context get the bytes, where an
+    even split gives each layer as much (SmolLM2 at 4k: five of its 30 layers hold most of the top 10%;
+    docs/experiments.md, 2026-12-07)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown layer split {split!r}; use one of {SPLITS}")
+    fp16 = torch.tensor([float(t.present[b].sum()) * float(t.rv[-1]) for t in tables], dtype=torch.float64)
+    if split == "bytes":
+        return (budget * fp16 / fp16.sum()).tolist()
+    if any(t.peak is None for t in tables):
+        raise ValueError('split="peak" ranks tokens by the reconstruction pass\'s peaks: use weights="reconstruct"')
+    least = []
+    for t in tables:
+        held = t.protect[b].sum(-1)  # [H]
+        page = t.present.new_tensor(t.page, dtype=torch.float64)
+        least.append(t.fixed + float(((held + page) * t.rv[1]).sum() + t.rk(held)[..., 0].sum() * t.dk.shape[2]))
+    least = torch.tensor(least, dtype=torch.float64)
+    free = [t.present[b] & ~t.protect[b] for t in tables]
+    scores = torch.cat([t.peak[b][f].float() for t, f in zip(tables, free)])
+    layer = torch.cat([torch.full((int(f.sum()),), i) for i, f in enumerate(free)])
+    rows = sum(2 * float(t.rv[PEAK_WIDTH]) * int(f.sum()) for t, f in zip(tables, free))
+    k = min(len(scores), round(len(scores) * max(0.0, budget - float(least.sum())) / max(rows, 1.0)))
+    top = torch.bincount(layer[scores.topk(k).indices], minlength=len(tables)).double()
+    share = top / top.sum() if k else fp16 / fp16.sum()
+    return (least + (budget - least.sum()) * share).tolist()
 
 
 def _top(score: torch.Tensor, need: torch.Tensor, most: int) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Allocation passes (rdkv.solvers.allocate): every byte of the budget is spent, and none beyond it."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from conftest import SMALL
 from rdkv.dense import AttentionSums
 from rdkv.distortion import layer_tables
-from rdkv.solvers.allocate import allocate, page_bytes
+from rdkv.solvers.allocate import allocate, layer_budgets, page_bytes
 from rdkv.layout import PackSpec
 
 SPEC = PackSpec(**SMALL)
@@ -42,3 +44,25 @@ def test_peaked_weights_spend_the_budget(frac):
     assert got <= budget
     # to within whole pages: with two streams one 32-token page at 16 bits is 13% of the budget at 25% (92.6% spent)
     assert got >= 0.9 * budget
+
+
+def test_peak_split_gives_the_bytes_to_the_layers_the_top_k_ranks():
+    """split="peak": each layer gets the least it packs in, plus its share of one top-k of every layer's evictable
+    tokens ranked by their reconstruction peaks. A layer whose peaks all rank below the other's gets only that
+    least, as long as the top-k fits in the other; the budgets add up to the sequence's budget, and each layer's
+    allocation fits its part. "bytes" splits by fp16 bytes: equal for equal layers."""
+    peaks = torch.rand(2, 1, H, T, generator=torch.Generator().manual_seed(2)) * 0.5
+    hot = replace(peaked_layer(0), peak=peaks[0] + 0.5)  # every peak above cold's
+    cold = replace(peaked_layer(1), peak=peaks[1])
+    budget = 0.1 * 2 * H * T * 4 * D
+    parts = layer_budgets([hot, cold], 0, budget, "peak")
+    assert sum(parts) == pytest.approx(budget)
+    least = cold.fixed + H * 32 * float(cold.rv[1]) + H * D * 2  # nothing protected: a 2-bit page per stream, K means
+    assert cold.page == 32 and parts[1] == pytest.approx(least)
+    assert parts[0] > 10 * parts[1]
+    assert layer_budgets([hot, cold], 0, budget, "bytes") == pytest.approx([budget / 2] * 2)
+    v, k = allocate([hot, cold], [budget], "layer", split="peak")
+    for t, part, vo, ko in zip((hot, cold), parts, v, k):
+        assert spent(t, vo, ko) + t.fixed <= part
+    with pytest.raises(ValueError, match="reconstruct"):
+        layer_budgets([hot, replace(cold, peak=None)], 0, budget, "peak")

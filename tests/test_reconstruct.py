@@ -7,6 +7,7 @@ import rdkv
 from conftest import SMALL, recorded, tiny_gemma3, tiny_llama
 from rdkv.methods import RDKV, Weights
 from rdkv.reconstruct import reconstruct
+from rdkv.solvers.allocate import layer_budgets
 
 RECON = RDKV(weights=Weights(form="reconstruct"))
 
@@ -124,3 +125,29 @@ def test_the_card_call_takes_reconstruction_weights_and_padding_is_refused():
     with pytest.raises(rdkv.RDKVError, match="unpadded batch"):
         rdkv.compress(model, 0.3, weights="reconstruct", **SMALL)
     del out
+
+
+def test_peak_split_moves_bytes_between_layers_within_the_budget():
+    """split="peak" hands each layer the bytes of its share of one ranking of every layer's tokens by the pass's
+    peaks (rdkv.solvers.allocate.layer_budgets, tested there): each layer of the cache fits its part, which is
+    not the default's equal part. It needs the pass's peaks and one budget per layer."""
+    model = tiny_llama(2)
+    ids = torch.randint(0, 96, (1, 400), generator=torch.Generator().manual_seed(5))
+    rec, _ = recorded(model, ids)
+    even = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", **SMALL)
+    peak = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", split="peak", **SMALL)
+    assert peak.nbytes <= 0.1 * peak.fp16_bytes
+    _, tables, fp16 = rdkv.pipeline.allocation_tables(rec, weights="reconstruct", score="max", split="peak", **SMALL)
+    parts = layer_budgets(tables, 0, 0.1 * fp16[0], "peak")
+    assert abs(parts[0] - parts[1]) > 0.02 * sum(parts)
+    for layer, part in zip(peak.layers, parts):
+        assert layer.nbytes <= part
+    assert not all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(even.layers, peak.layers))
+    with pytest.raises(rdkv.RDKVError, match="weights='reconstruct'"):
+        rdkv.compress(rec, 0.1, split="peak", **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="scope='layer'"):
+        rdkv.compress(rec, 0.1, weights="reconstruct", split="peak", scope="global", **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="split='even'"):
+        rdkv.compress(rec, 0.1, weights="reconstruct", split="even", **SMALL)
+    with pytest.raises(rdkv.RDKVError, match="without layer_gains or split"):
+        rdkv.prefill(model, ids, 0.1, weights="reconstruct", split="peak", **SMALL)

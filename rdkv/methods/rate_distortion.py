@@ -22,7 +22,7 @@ from ..distortion import EVICT_TO, MODELS, JointEviction, LayerTables, layer_dis
 from ..errors import RDKVError
 from ..records import LayerStats, Record
 from ..rope import pair_mean
-from ..solvers.allocate import allocate
+from ..solvers.allocate import SPLITS, allocate
 from ..weights import FORMS, layer_sums, lifetime, per_visible, window_queries
 from .base import Allocation, HeldLayer, Method
 
@@ -217,17 +217,24 @@ class Eviction:
 
 @dataclass(frozen=True)
 class Solve:
-    """``scope="layer"``: a budget per layer; ``"global"``: one knapsack over every layer and head, with
-    ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
+    """``scope="layer"``: a budget per layer, split as ``split`` says (:func:`rdkv.solvers.allocate.layer_budgets`:
+    ``"bytes"``, each layer's share of the fp16 bytes; ``"peak"``, KVzip's one ranking of every layer's tokens by
+    the reconstruction pass, with ``weights="reconstruct"``); ``"global"``: one knapsack over every layer and head,
+    with ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
     distortion. ``passes``: how often K is re-priced for the tokens the previous pass kept."""
 
     scope: str = "layer"
     passes: int = 3
     layer_gains: tuple[float, ...] | None = None
+    split: str = "bytes"
 
     def __post_init__(self) -> None:
         if self.scope not in ("global", "layer"):
             raise RDKVError(f"scope={self.scope!r} is not 'global' or 'layer'")
+        if self.split not in SPLITS:
+            raise RDKVError(f"split={self.split!r} is not one of {SPLITS}")
+        if self.split != "bytes" and self.scope != "layer":
+            raise RDKVError(f"split={self.split!r} divides the budget between layers: use it with scope='layer'")
         if not isinstance(self.passes, int) or isinstance(self.passes, bool) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
         if self.layer_gains is not None:
@@ -237,7 +244,7 @@ class Solve:
                 raise RDKVError(f"layer_gains must be positive finite numbers, one per layer, got {self.layer_gains!r}")
 
     def __call__(self, tables: list[LayerTables], budgets: list[float]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return allocate(tables, budgets, self.scope, self.passes)
+        return allocate(tables, budgets, self.scope, self.passes, self.split)
 
 
 # compress(**options) keyword -> (part, field): the names the results and scripts use
@@ -251,6 +258,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
+    "split": ("solve", "split"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
 }
 
@@ -276,6 +284,8 @@ class RDKV(Method):
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
         if self.eviction.jointly and self.distortion != "output":
             raise RDKVError("evict_jointly re-prices the output distortion itself: use it with distortion='output'")
+        if self.solve.split == "peak" and self.weights.form != "reconstruct":
+            raise RDKVError("split='peak' ranks tokens by the reconstruction pass: use it with weights='reconstruct'")
         if self.solve.layer_gains is not None and (self.eviction.jointly or self.eviction.to == "kept"):
             raise RDKVError("layer_gains scales the priced tables; evict_jointly and evict_to='kept' re-price "
                             "eviction during allocation: use them without layer_gains")
