@@ -74,6 +74,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "rdkv-recon-noprior": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0}),
     # each token weighed by the largest attention one repetition query paid it (KVzip's score), no prior
     "rdkv-recon-max": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0, "score": "max"}),
+    # ... and the budget split across layers by one ranking of every layer's tokens by those peaks (KVzip's top-k)
+    "rdkv-recon-peak": ("rdkv", {"weights": "reconstruct", "surprisal": 0.0, "score": "max", "split": "peak"}),
 }
 NAMES = (*rdkv.methods.NAMES, *VARIANTS)
 PARTS = {"spec", "prior", "eviction", "solve"}

@@ -188,12 +188,12 @@ PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this o
 def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> list[float]:
     """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
     ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
-    channel means, a page more per stream) plus, of the rest, its share of one top-k over the evictable tokens of
-    every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak`, the largest attention a
-    reconstruction query paid them, with k what the budget buys at 4 bits (a V row and about as much K per token). That is KVzip's ranking (Kim et al.
-    2025: one top-k over all layers and heads): the layers that copy from the context get the bytes, where an
-    even split gives each layer as much (SmolLM2 at 4k: five of its 30 layers hold most of the top 10%;
-    docs/experiments.md, 2026-12-07)."""
+    channel means, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
+    tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the largest attention a
+    reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
+    That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
+    context get the bytes, where an even split gives each layer as much (docs/experiments.md, 2026-12-07,
+    "split='peak'")."""
     if split not in SPLITS:
         raise ValueError(f"unknown layer split {split!r}; use one of {SPLITS}")
     fp16 = torch.tensor([float(t.present[b].sum()) * float(t.rv[-1]) for t in tables], dtype=torch.float64)
@@ -201,17 +201,14 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> 
         return (budget * fp16 / fp16.sum()).tolist()
     if any(t.peak is None for t in tables):
         raise ValueError('split="peak" ranks tokens by the reconstruction pass\'s peaks: use weights="reconstruct"')
-    least = []
-    for t in tables:
-        held = t.protect[b].sum(-1)  # [H]
-        page = t.present.new_tensor(t.page, dtype=torch.float64)
-        least.append(t.fixed + float(((held + page) * t.rv[1]).sum() + t.rk(held)[..., 0].sum() * t.dk.shape[2]))
-    least = torch.tensor(least, dtype=torch.float64)
+    held = [t.protect[b].sum(-1) for t in tables]  # [H] tokens each stream keeps in any case
+    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, 0].sum() * t.dk.shape[2])
+                          for t, n in zip(tables, held)], dtype=torch.float64)
     free = [t.present[b] & ~t.protect[b] for t in tables]
-    scores = torch.cat([t.peak[b][f].float() for t, f in zip(tables, free)])
+    scores = torch.cat([t.peak[b][f] for t, f in zip(tables, free)])
     layer = torch.cat([torch.full((int(f.sum()),), i) for i, f in enumerate(free)])
-    rows = sum(2 * float(t.rv[PEAK_WIDTH]) * int(f.sum()) for t, f in zip(tables, free))
-    k = min(len(scores), round(len(scores) * max(0.0, budget - float(least.sum())) / max(rows, 1.0)))
+    per_token = 2 * max(float(t.rv[PEAK_WIDTH]) for t in tables)
+    k = min(len(scores), int(max(0.0, budget - float(least.sum())) / per_token))
     top = torch.bincount(layer[scores.topk(k).indices], minlength=len(tables)).double()
     share = top / top.sum() if k else fp16 / fp16.sum()
     return (least + (budget - least.sum()) * share).tolist()
