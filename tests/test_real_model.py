@@ -7,6 +7,8 @@ import torch
 import rdkv
 from rdkv.solvers.mckp import exact, lagrangian
 
+SPLIT_BUDGETS = (0.02, 0.025, 0.03)
+
 
 @pytest.fixture(scope="module")
 def run():
@@ -29,9 +31,10 @@ def run():
     out["tables"] = rdkv.pipeline.allocation_tables(rec)[1]
     recon = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", surprisal=0.0)
     out["recon"] = (recon.nbytes, recon.fp16_bytes, model(tail, past_key_values=recon).logits[0])
-    for split in ("bytes", "peak"):  # at 3% of the bytes, the pass's peaks splitting the budget across layers or not
-        c = rdkv.compress(rec, 0.03, weights="reconstruct", score="max", surprisal=0.0, split=split)
-        out["split", split] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
+    for b in SPLIT_BUDGETS:  # the pass's peaks splitting the budget across layers, or each layer the same share
+        for split in ("bytes", "peak"):
+            c = rdkv.compress(rec, b, weights="reconstruct", score="max", surprisal=0.0, split=split)
+            out["split", split, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
     ans = tok(probe["answer"], add_special_tokens=False).input_ids
     at = next(i for i in range(ctx.shape[1]) if ctx[0, i : i + len(ans)].tolist() == ans)
     out["needle_peak"] = torch.stack([st.recon.peak[0, :, at : at + len(ans)] for st in rec.layers.values()])
@@ -92,18 +95,23 @@ def test_reconstruction_copies_the_needle_and_answers_at_a_tenth(run):
     assert (run["needle_peak"].flatten(0, 1).amax(0) > 0.9).all()
 
 
-def test_reconstruction_peaks_split_across_layers_answer_at_three_percent(run):
+def test_reconstruction_peaks_split_across_layers_answer_at_two_to_three_percent(run):
     """split="peak" gives each layer its share of one ranking of every layer's tokens by the pass's peaks (KVzip's
-    top-k): at 3% of the bytes that cache answers the probe; split by fp16 bytes, each layer the same share, it
-    does not, and its answer's log-likelihood is lower (measured -0.92 against -4.19 nats)."""
+    top-k). At 2, 2.5 and 3% of the bytes its answer's log-likelihood beats the even split's (each layer the same
+    share) by 2.3-5.3 nats (measured on transformers 5.25 and 5.2), and it answers the probe at some of them
+    (two of three on both versions; which two differs, as rounding in the prefill does), the even split at none."""
     def loglik(logits):
         n = run["n_ans"]
         return float(logits[-n - 1 : -1].log_softmax(-1).gather(-1, run["tail"][0, -n:, None]).sum())
 
-    (held, fp16, peak), (_, _, even) = run["split", "peak"], run["split", "bytes"]
-    assert held <= 0.03 * fp16
-    assert answered(peak, run["tail"], run["n_ans"]) and not answered(even, run["tail"], run["n_ans"])
-    assert loglik(peak) > loglik(even) + 1.0
+    answers = {"peak": 0, "bytes": 0}
+    for b in SPLIT_BUDGETS:
+        (held, fp16, peak), (_, _, even) = run["split", "peak", b], run["split", "bytes", b]
+        assert held <= b * fp16
+        assert loglik(peak) > loglik(even) + 1.0
+        for split, logits in (("peak", peak), ("bytes", even)):
+            answers[split] += answered(logits, run["tail"], run["n_ans"])
+    assert answers["peak"] >= 1 and answers["bytes"] == 0
 
 
 def test_lagrangian_within_one_percent_of_exact_on_a_real_instance(run):
