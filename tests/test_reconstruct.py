@@ -130,7 +130,8 @@ def test_the_card_call_takes_reconstruction_weights_and_padding_is_refused():
 def test_peak_split_moves_bytes_between_layers_within_the_budget():
     """split="peak" hands each layer the bytes of its share of one ranking of every layer's tokens by the pass's
     peaks (rdkv.solvers.allocate.layer_budgets, tested there): each layer of the cache fits its part, which is
-    not the default's equal part. It needs the pass's peaks and one budget per layer."""
+    not the default's equal part. With the window's weights the split runs the pass for its peaks alone: the
+    layers get the same parts, and the widths inside them follow the window. It needs one budget per layer."""
     model = tiny_llama(2)
     ids = torch.randint(0, 96, (1, 400), generator=torch.Generator().manual_seed(5))
     rec, _ = recorded(model, ids)
@@ -143,11 +144,38 @@ def test_peak_split_moves_bytes_between_layers_within_the_budget():
     for layer, part in zip(peak.layers, parts):
         assert layer.nbytes <= part
     assert not all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(even.layers, peak.layers))
-    with pytest.raises(rdkv.RDKVError, match="weights='reconstruct'"):
-        rdkv.compress(rec, 0.1, split="peak", **SMALL)
+    fresh, _ = recorded(model, ids)
+    window = rdkv.compress(fresh, 0.1, split="peak", **SMALL)
+    assert fresh.layers[0].recon is not None
+    _, window_tables, _ = rdkv.pipeline.allocation_tables(fresh, split="peak", **SMALL)
+    assert layer_budgets(window_tables, 0, 0.1 * fp16[0], "peak") == parts
+    for layer, part in zip(window.layers, parts):
+        assert layer.nbytes <= part
+    assert not all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(window.layers, peak.layers))
     with pytest.raises(rdkv.RDKVError, match="scope='layer'"):
         rdkv.compress(rec, 0.1, weights="reconstruct", split="peak", scope="global", **SMALL)
     with pytest.raises(rdkv.RDKVError, match="split='even'"):
         rdkv.compress(rec, 0.1, weights="reconstruct", split="even", **SMALL)
     with pytest.raises(rdkv.RDKVError, match="without layer_gains or split"):
         rdkv.prefill(model, ids, 0.1, weights="reconstruct", split="peak", **SMALL)
+
+
+def test_blend_mixes_the_windows_token_weights_into_the_passes():
+    """blend=a: each layer's token weights are (1 - a) x the pass's plus a x the window's scaled to the pass's total,
+    so 0 is the pass's and 1 the window's up to one factor per layer; it needs the pass."""
+    model = tiny_llama(2)
+    ids = torch.randint(0, 96, (1, 150), generator=torch.Generator().manual_seed(3))
+    rec, _ = recorded(model, ids)
+    reconstruct(rec)
+    st, start = rec.layers[1], rec.layers[1].start
+    recon = Weights(form="reconstruct", score="max").sums(st, start, False).mass2
+    window = Weights(window=64).sums(st, start, False).mass2
+    ratio = Weights(form="reconstruct", score="max", window=64, blend=1.0).sums(st, start, False).mass2 / window
+    torch.testing.assert_close(ratio, torch.full_like(ratio, float(recon.sum() / window.sum())))
+    half = Weights(form="reconstruct", score="max", window=64, blend=0.5).sums(st, start, False).mass2
+    torch.testing.assert_close(half, 0.5 * recon + 0.5 * window * recon.sum() / window.sum())
+    assert not torch.allclose(half / half.sum(), recon / recon.sum(), rtol=0.05)  # the window moves the weights
+    with pytest.raises(rdkv.RDKVError, match="use it with weights='reconstruct'"):
+        Weights(blend=0.5)
+    with pytest.raises(rdkv.RDKVError, match=r"fraction in \[0, 1\]"):
+        Weights(form="reconstruct", blend=1.5)

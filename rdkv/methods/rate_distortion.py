@@ -41,6 +41,11 @@ def _odd(name: str, value) -> None:
         raise RDKVError(f"{name} must be a positive odd int, got {value!r}")
 
 
+def _scaled_to(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, T] scaled to the total of ``like`` over each sequence's heads and tokens."""
+    return x * (like.sum((1, 2), keepdim=True) / x.sum((1, 2), keepdim=True).clamp_min(1e-30))
+
+
 @dataclass(frozen=True)
 class Weights:
     """How much each unit matters: attention sums over the recorded queries.
@@ -60,7 +65,9 @@ class Weights:
     ``k_price="readers"`` (with ``form="reconstruct"``) prices a key error by the token's distance to the outputs
     of the queries that read it (:attr:`rdkv.dense.AttentionSums.drift`) rather than to their mean output: a query
     that copies a token already outputs its value, so the token's key error barely moves it
-    (:mod:`rdkv.distortion`). Eviction keeps its price.
+    (:mod:`rdkv.distortion`). Eviction keeps its price. ``blend`` (with ``form="reconstruct"``) takes that share
+    of each layer's token weights from the prefill's last ``window`` queries instead (each source scaled to the
+    layer's total): the repetition finds what a later question may copy, the prompt's end what it reads anyway.
     """
 
     form: str = "window"
@@ -74,6 +81,7 @@ class Weights:
     horizon: int | None = None
     score: str = "sum"
     k_price: str = "mean"
+    blend: float = 0.0
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
@@ -86,6 +94,11 @@ class Weights:
             if getattr(self, name) == value and self.form != "reconstruct":
                 raise RDKVError(f"{name}={value!r} reads what the reconstruction pass measures: use it with "
                                 "weights='reconstruct'")
+        if not 0 <= self.blend <= 1:
+            raise RDKVError(f"blend must be a fraction in [0, 1] (the window's share of the weights), got {self.blend!r}")
+        if self.blend and self.form != "reconstruct":
+            raise RDKVError(f"blend={self.blend!r} mixes the window's weights into the reconstruction pass's: use it "
+                            "with weights='reconstruct'")
         for name in ("window", "window_sliding", "horizon"):
             _positive_int(name, getattr(self, name))
         _odd("pool_weights", self.pool)
@@ -113,8 +126,11 @@ class Weights:
         if self.k_price == "mean":
             sums.drift = None
         if self.score == "max":
-            top = sums.peak.square()
-            sums.mass2 = top * (sums.mass2.sum((1, 2), keepdim=True) / top.sum((1, 2), keepdim=True).clamp_min(1e-30))
+            sums.mass2 = _scaled_to(sums.peak.square(), sums.mass2)
+        if self.blend:
+            end = layer_sums(st, "window", start, window)
+            sums.mass, sums.mass2 = ((1 - self.blend) * x + self.blend * _scaled_to(y, x)
+                                     for x, y in ((sums.mass, end.mass), (sums.mass2, end.mass2)))
         return self.pooled(sums)
 
     def pooled(self, sums: AttentionSums) -> AttentionSums:
@@ -219,7 +235,7 @@ class Eviction:
 class Solve:
     """``scope="layer"``: a budget per layer, split as ``split`` says (:func:`rdkv.solvers.allocate.layer_budgets`:
     ``"bytes"``, each layer's share of the fp16 bytes; ``"peak"``, KVzip's one ranking of every layer's tokens by
-    the reconstruction pass, with ``weights="reconstruct"``); ``"global"``: one knapsack over every layer and head,
+    the reconstruction pass's peaks, which it runs whatever the weights); ``"global"``: one knapsack over every layer and head,
     with ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
     distortion. ``passes``: how often K is re-priced for the tokens the previous pass kept."""
 
@@ -252,7 +268,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "weights": ("weights", "form"), "window": ("weights", "window"), "window_sliding": ("weights", "window_sliding"),
     "visible": ("weights", "visible"), "visible_cap": ("weights", "visible_cap"), "pool_weights": ("weights", "pool"),
     "pool_forward": ("weights", "pool_forward"), "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
-    "score": ("weights", "score"), "k_price": ("weights", "k_price"),
+    "score": ("weights", "score"), "k_price": ("weights", "k_price"), "blend": ("weights", "blend"),
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "carry": ("prior", "carry"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
@@ -284,8 +300,6 @@ class RDKV(Method):
             raise RDKVError(f"distortion={self.distortion!r} is not one of {MODELS}")
         if self.eviction.jointly and self.distortion != "output":
             raise RDKVError("evict_jointly re-prices the output distortion itself: use it with distortion='output'")
-        if self.solve.split == "peak" and self.weights.form != "reconstruct":
-            raise RDKVError("split='peak' ranks tokens by the reconstruction pass: use it with weights='reconstruct'")
         if self.solve.layer_gains is not None and (self.eviction.jointly or self.eviction.to == "kept"):
             raise RDKVError("layer_gains scales the priced tables; evict_jointly and evict_to='kept' re-price "
                             "eviction during allocation: use them without layer_gains")
@@ -316,6 +330,8 @@ class RDKV(Method):
         st, k, v, start, present, _ = layer
         w, ev = self.weights, self.eviction
         sums = w.sums(st, start, self.prerope)
+        if self.solve.split == "peak":  # the layers' shares come from the reconstruction pass, whatever the weights
+            sums.peak = layer_sums(st, "reconstruct", start).peak
         prior = self.prior.of_layer(present, surprise, start, carried)
         protect = ev.protect(st, start, present)
         if self.prior.carry and st.sliding_window is None:
