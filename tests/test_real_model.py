@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import rdkv
+from rdkv.solvers.allocate import layer_budgets
 from rdkv.solvers.mckp import exact, lagrangian
 
 SPLIT_BUDGETS = (0.02, 0.025, 0.03)
@@ -32,9 +33,13 @@ def run():
     recon = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", surprisal=0.0)
     out["recon"] = (recon.nbytes, recon.fp16_bytes, model(tail, past_key_values=recon).logits[0])
     for b in SPLIT_BUDGETS:  # the pass's peaks splitting the budget across layers, or each layer the same share
-        for split in ("bytes", "peak"):
-            c = rdkv.compress(rec, b, weights="reconstruct", score="max", surprisal=0.0, split=split)
-            out["split", split, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
+        for split, blend in (("bytes", 0.0), ("peak", 0.0), ("peak", 0.25)):
+            c = rdkv.compress(rec, b, weights="reconstruct", score="max", surprisal=0.0, split=split, blend=blend)
+            out["split", split, blend, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
+    window = rdkv.compress(rec, 0.1, split="peak")  # the prefill's window weighs, the pass's peaks split
+    _, tables, fp16 = rdkv.pipeline.allocation_tables(rec, split="peak")
+    out["window_split"] = ([layer.nbytes for layer in window.layers], layer_budgets(tables, 0, 0.1 * fp16[0], "peak"),
+                           layer_budgets(tables, 0, 0.1 * fp16[0], "bytes"))
     ans = tok(probe["answer"], add_special_tokens=False).input_ids
     at = next(i for i in range(ctx.shape[1]) if ctx[0, i : i + len(ans)].tolist() == ans)
     out["needle_peak"] = torch.stack([st.recon.peak[0, :, at : at + len(ans)] for st in rec.layers.values()])
@@ -99,19 +104,34 @@ def test_reconstruction_peaks_split_across_layers_answer_at_two_to_three_percent
     """split="peak" gives each layer its share of one ranking of every layer's tokens by the pass's peaks (KVzip's
     top-k). At 2, 2.5 and 3% of the bytes its answer's log-likelihood beats the even split's (each layer the same
     share) by 2.3-5.3 nats (measured on transformers 5.25 and 5.2), and it answers the probe at some of them
-    (two of three on both versions; which two differs, as rounding in the prefill does), the even split at none."""
+    (two of three on both versions; which two differs, as rounding in the prefill does), the even split at none.
+    With a quarter of each layer's token weights from the prefill's last queries (``blend=0.25``) it answers at
+    all three (transformers 5.25)."""
     def loglik(logits):
         n = run["n_ans"]
         return float(logits[-n - 1 : -1].log_softmax(-1).gather(-1, run["tail"][0, -n:, None]).sum())
 
-    answers = {"peak": 0, "bytes": 0}
+    answers = {"peak": 0, "bytes": 0, "blend": 0}
     for b in SPLIT_BUDGETS:
-        (held, fp16, peak), (_, _, even) = run["split", "peak", b], run["split", "bytes", b]
-        assert held <= b * fp16
+        (held, fp16, peak), (_, _, even) = run["split", "peak", 0.0, b], run["split", "bytes", 0.0, b]
+        held_blend, _, blend = run["split", "peak", 0.25, b]
+        assert held <= b * fp16 and held_blend <= b * fp16
         assert loglik(peak) > loglik(even) + 1.0
-        for split, logits in (("peak", peak), ("bytes", even)):
+        assert loglik(blend) > loglik(even) + 1.0
+        for split, logits in (("peak", peak), ("bytes", even), ("blend", blend)):
             answers[split] += answered(logits, run["tail"], run["n_ans"])
     assert answers["peak"] >= 1 and answers["bytes"] == 0
+    assert answers["blend"] >= 2
+
+
+def test_the_peak_split_divides_the_window_weights_budget_too(run):
+    """split="peak" with the default's window weights: the reconstruction pass's peaks split the budget (the layers
+    that copy from the context get up to 2.4x their even share at 10% on this probe, others a third), and each layer of the cache
+    fits its part."""
+    held, parts, even = run["window_split"]
+    assert all(h <= p for h, p in zip(held, parts))
+    assert max(p / e for p, e in zip(parts, even)) > 1.5
+    assert abs(sum(parts) - sum(even)) < 1e-6 * sum(even)
 
 
 def test_lagrangian_within_one_percent_of_exact_on_a_real_instance(run):
