@@ -33,9 +33,10 @@ def run():
     recon = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", surprisal=0.0)
     out["recon"] = (recon.nbytes, recon.fp16_bytes, model(tail, past_key_values=recon).logits[0])
     for b in SPLIT_BUDGETS:  # the pass's peaks splitting the budget across layers, or each layer the same share
-        for split, blend in (("bytes", 0.0), ("peak", 0.0), ("peak", 0.25)):
-            c = rdkv.compress(rec, b, weights="reconstruct", score="max", surprisal=0.0, split=split, blend=blend)
-            out["split", split, blend, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
+        by_pass = {"weights": "reconstruct", "score": "max", "surprisal": 0.0}
+        for name, kw in (("bytes", by_pass), ("peak", {**by_pass, "split": "peak"}), ("blend", {"method": "rdkv-reconstruct"})):
+            c = rdkv.compress(rec, b, **kw)
+            out["split", name, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
     window = rdkv.compress(rec, 0.1, split="peak")  # the prefill's window weighs, the pass's peaks split
     _, tables, fp16 = rdkv.pipeline.allocation_tables(rec, split="peak")
     out["window_split"] = ([layer.nbytes for layer in window.layers], layer_budgets(tables, 0, 0.1 * fp16[0], "peak"),
@@ -105,16 +106,16 @@ def test_reconstruction_peaks_split_across_layers_answer_at_two_to_three_percent
     top-k). At 2, 2.5 and 3% of the bytes its answer's log-likelihood beats the even split's (each layer the same
     share) by 2.3-5.3 nats (measured on transformers 5.25 and 5.2), and it answers the probe at some of them
     (two of three on both versions; which two differs, as rounding in the prefill does), the even split at none.
-    With a quarter of each layer's token weights from the prefill's last queries (``blend=0.25``) it answers at
-    all three (transformers 5.25)."""
+    ``rdkv-reconstruct`` (the same with a quarter of each layer's token weights from the prefill's last queries,
+    ``blend=0.25``) answers at all three on transformers 5.25 (at least two asked, as rounding may move one)."""
     def loglik(logits):
         n = run["n_ans"]
         return float(logits[-n - 1 : -1].log_softmax(-1).gather(-1, run["tail"][0, -n:, None]).sum())
 
     answers = {"peak": 0, "bytes": 0, "blend": 0}
     for b in SPLIT_BUDGETS:
-        (held, fp16, peak), (_, _, even) = run["split", "peak", 0.0, b], run["split", "bytes", 0.0, b]
-        held_blend, _, blend = run["split", "peak", 0.25, b]
+        (held, fp16, peak), (_, _, even) = run["split", "peak", b], run["split", "bytes", b]
+        held_blend, _, blend = run["split", "blend", b]
         assert held <= b * fp16 and held_blend <= b * fp16
         assert loglik(peak) > loglik(even) + 1.0
         assert loglik(blend) > loglik(even) + 1.0

@@ -26,6 +26,12 @@ METHODS: dict[str, Method] = {
     # per query that can see each token, sliding-layer tokens priced by how long a 512-token decode keeps them
     # visible (docs/experiments.md: on Gemma 3 at 10%, every needle the full cache answers, both protocols)
     "rdkv-hybrid": RDKV("rdkv-hybrid", weights=Weights(window=256, window_sliding=64, visible=1.0, horizon=512)),
+    # a document compressed once and asked later, at 10% of the bytes or less: the context repeated after the
+    # prefill weighs each token by the largest attention one repetition query pays it (KVzip's score), with a
+    # quarter of each layer's weight from the prefill's window, and the budget is split across layers by one
+    # ranking of those peaks; no reserve. It costs a second pass over the context (docs/experiments.md, 2026-12-07)
+    "rdkv-reconstruct": RDKV("rdkv-reconstruct", weights=Weights(form="reconstruct", score="max", blend=0.25),
+                             prior=Prior(surprisal=0.0), solve=Solve(split="peak")),
     # the RDKV paper's form: every prefill query, w * sigma * 2^-b, no reserve, nothing protected
     "rdkv-paper": RDKV("rdkv-paper", weights=Weights(form="all"), prior=Prior(surprisal=0.0),
                        eviction=Eviction(sinks=0, recent=0), distortion="paper"),
