@@ -34,7 +34,8 @@ def run():
     out["recon"] = (recon.nbytes, recon.fp16_bytes, model(tail, past_key_values=recon).logits[0])
     for b in SPLIT_BUDGETS:  # the pass's peaks splitting the budget across layers, or each layer the same share
         by_pass = {"weights": "reconstruct", "score": "max", "surprisal": 0.0}
-        for name, kw in (("bytes", by_pass), ("peak", {**by_pass, "split": "peak"}), ("blend", {"method": "rdkv-reconstruct"})):
+        for name, kw in (("bytes", by_pass), ("peak", {**by_pass, "split": "peak"}),
+                         ("blend", {"method": "rdkv-reconstruct"})):
             c = rdkv.compress(rec, b, **kw)
             out["split", name, b] = (c.nbytes, c.fp16_bytes, model(tail, past_key_values=c).logits[0])
     window = rdkv.compress(rec, 0.1, split="peak")  # the prefill's window weighs, the pass's peaks split
@@ -127,8 +128,8 @@ def test_reconstruction_peaks_split_across_layers_answer_at_two_to_three_percent
 
 def test_the_peak_split_divides_the_window_weights_budget_too(run):
     """split="peak" with the default's window weights: the reconstruction pass's peaks split the budget (the layers
-    that copy from the context get up to 2.4x their even share at 10% on this probe, others a third), and each layer of the cache
-    fits its part."""
+    that copy from the context get up to 2.4x their even share at 10% on this probe, others a third), and each
+    layer of the cache fits its part."""
     held, parts, even = run["window_split"]
     assert all(h <= p for h, p in zip(held, parts))
     assert max(p / e for p, e in zip(parts, even)) > 1.5
