@@ -130,6 +130,10 @@ def _method(model: torch.nn.Module, method: str | Method, mode: str, window: int
             raise RDKVError("mode='layer' packs each layer before the output head has run, so it has no surprisal "
                             "prior: pass surprisal=0, or use mode='staged'")
         m = m.with_options(surprisal=0.0)
+    if m.needs_pass:
+        raise RDKVError("rdkv.prefill has no reconstruction pass (weights='reconstruct', split='peak', "
+                        "method='rdkv-reconstruct' run one over the whole prompt): record the prefill with "
+                        "rdkv.record and call rdkv.compress")
     if m.solve.scope != "layer" or m.solve.layer_gains is not None or m.solve.split != "bytes":
         raise RDKVError("rdkv.prefill solves each layer on its own: use scope='layer' (the default) without "
                         "layer_gains or split, or record the prefill with rdkv.record and call rdkv.compress")

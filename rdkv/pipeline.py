@@ -43,7 +43,7 @@ def checked(source: Prefill) -> Record:
 
 def weigh(rec: Record, method: Method) -> None:
     """Run what ``method``'s weights need beyond the record itself: the reconstruction pass (:mod:`rdkv.reconstruct`)."""
-    if isinstance(method, RDKV) and (method.weights.form == "reconstruct" or method.solve.split == "peak"):
+    if isinstance(method, RDKV) and method.needs_pass:
         reconstruct(rec)
 
 

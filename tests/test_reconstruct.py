@@ -156,8 +156,9 @@ def test_peak_split_moves_bytes_between_layers_within_the_budget():
         rdkv.compress(rec, 0.1, weights="reconstruct", split="peak", scope="global", **SMALL)
     with pytest.raises(rdkv.RDKVError, match="split='even'"):
         rdkv.compress(rec, 0.1, weights="reconstruct", split="even", **SMALL)
-    with pytest.raises(rdkv.RDKVError, match="without layer_gains or split"):
-        rdkv.prefill(model, ids, 0.1, weights="reconstruct", split="peak", **SMALL)
+    for options in ({"weights": "reconstruct"}, {"split": "peak"}, {"method": "rdkv-reconstruct"}):
+        with pytest.raises(rdkv.RDKVError, match="rdkv.prefill has no reconstruction pass"):
+            rdkv.prefill(model, ids, 0.1, **options, **SMALL)
 
 
 def test_blend_mixes_the_windows_token_weights_into_the_passes():

@@ -308,6 +308,12 @@ class RDKV(Method):
     def all_queries(self) -> bool:
         return self.weights.form == "all"
 
+    @property
+    def needs_pass(self) -> bool:
+        """Whether compressing runs the reconstruction pass (:mod:`rdkv.reconstruct`): for its token weights, or
+        for the peaks ``split="peak"`` divides the budget by."""
+        return self.weights.form == "reconstruct" or self.solve.split == "peak"
+
     def options(self) -> dict[str, tuple[str | None, str]]:
         parts = {p: (None, p) for p in ("spec", "weights", "prior", "eviction", "solve")} | {"weights": OPTIONS["weights"]}
         return {**OPTIONS, **parts, **{f.name: ("spec", f.name) for f in fields(self.spec)}}
