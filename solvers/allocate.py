@@ -161,11 +161,11 @@ def _reprice(t, b: int, dv: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
 
 
 def allocate(tables: list, budgets: list[float], scope: str = "global", passes: int = 3,
-             split: str = "bytes") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+             split: str = "bytes", floor: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Option indices per V token [B, H, T] and per K block [B, H, nb], one entry per layer.
 
     ``budgets[b]`` is sequence b's byte budget; ``scope="layer"`` splits it across layers
-    (:func:`layer_budgets`, by ``split``) instead of solving all layers together.
+    (:func:`layer_budgets`, by ``split`` and ``floor``) instead of solving all layers together.
     """
     if scope not in ("global", "layer"):
         raise ValueError(f"unknown allocation scope {scope!r}; use 'global' or 'layer'")
@@ -174,7 +174,7 @@ def allocate(tables: list, budgets: list[float], scope: str = "global", passes: 
         if scope == "global":
             per_seq.append(_solve_sequence(tables, b, budget, passes))
             continue
-        parts = [_solve_sequence([t], b, part, passes) for t, part in zip(tables, layer_budgets(tables, b, budget, split))]
+        parts = [_solve_sequence([t], b, part, passes) for t, part in zip(tables, layer_budgets(tables, b, budget, split, floor))]
         per_seq.append(([p[0][0] for p in parts], [p[1][0] for p in parts]))
     v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
     k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]
@@ -185,7 +185,7 @@ SPLITS = ("bytes", "peak")
 PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this option (4 bits)
 
 
-def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> list[float]:
+def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", floor: float = 0.0) -> list[float]:
     """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
     ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
     channel means, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
@@ -193,7 +193,9 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> 
     reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
     That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
     context get the bytes, where an even split gives each layer as much (docs/experiments.md, 2026-12-07,
-    "split='peak'")."""
+    "split='peak'"). ``floor`` (with ``"peak"``) hands that share of the rest out by fp16 bytes instead, so no
+    layer gets less than ``floor`` x its part of it under ``"bytes"``: a layer the pass's queries barely read
+    may be the one a later question reads (docs/experiments.md, 2026-12-07, "a floor under the peak split")."""
     if split not in SPLITS:
         raise ValueError(f"unknown layer split {split!r}; use one of {SPLITS}")
     fp16 = torch.tensor([float(t.present[b].sum()) * float(t.rv[-1]) for t in tables], dtype=torch.float64)
@@ -210,7 +212,7 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes") -> 
     per_token = 2 * max(float(t.rv[PEAK_WIDTH]) for t in tables)
     k = min(len(scores), int(max(0.0, budget - float(least.sum())) / per_token))
     top = torch.bincount(layer[scores.topk(k).indices], minlength=len(tables)).double()
-    share = top / top.sum() if k else fp16 / fp16.sum()
+    share = (1 - floor) * top / top.sum() + floor * fp16 / fp16.sum() if k else fp16 / fp16.sum()
     return (least + (budget - least.sum()) * share).tolist()
 
 

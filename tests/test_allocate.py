@@ -66,3 +66,22 @@ def test_peak_split_gives_the_bytes_to_the_layers_the_top_k_ranks():
         assert spent(t, vo, ko) + t.fixed <= part
     with pytest.raises(ValueError, match="reconstruct"):
         layer_budgets([hot, replace(cold, peak=None)], 0, budget, "peak")
+
+
+def test_split_floor_hands_its_share_of_the_rest_out_by_bytes():
+    """split_floor=f: of what is left after each layer's least, the share f goes by fp16 bytes (half each for two
+    equal layers) and 1 - f by the peaks' top-k, so the cold layer that the top-k passes over gets least + f x
+    half the rest; the parts still add up to the budget and each layer's allocation fits its part."""
+    peaks = torch.rand(2, 1, H, T, generator=torch.Generator().manual_seed(2)) * 0.5
+    hot = replace(peaked_layer(0), peak=peaks[0] + 0.5)
+    cold = replace(peaked_layer(1), peak=peaks[1])
+    budget = 0.1 * 2 * H * T * 4 * D
+    least = cold.fixed + H * 32 * float(cold.rv[1]) + H * D * 2
+    rest = budget - 2 * least  # the layers are alike: the same least
+    for f in (0.25, 0.5, 1.0):
+        parts = layer_budgets([hot, cold], 0, budget, "peak", f)
+        assert sum(parts) == pytest.approx(budget)
+        assert parts[1] == pytest.approx(least + f * rest / 2)
+        v, k = allocate([hot, cold], [budget], "layer", split="peak", floor=f)
+        for t, part, vo, ko in zip((hot, cold), parts, v, k):
+            assert spent(t, vo, ko) + t.fixed <= part

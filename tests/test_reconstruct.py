@@ -154,6 +154,15 @@ def test_peak_split_moves_bytes_between_layers_within_the_budget():
     assert not all(torch.equal(x.v_widths(), y.v_widths()) for x, y in zip(window.layers, peak.layers))
     with pytest.raises(rdkv.RDKVError, match="scope='layer'"):
         rdkv.compress(rec, 0.1, weights="reconstruct", split="peak", scope="global", **SMALL)
+    floored = rdkv.compress(rec, 0.1, weights="reconstruct", score="max", split="peak", split_floor=0.5, **SMALL)
+    least = min(parts)  # the layer the peaks pass over: a floor of half its bytes share of the rest lifts it
+    floor_parts = layer_budgets(tables, 0, 0.1 * fp16[0], "peak", 0.5)
+    assert min(floor_parts) > least
+    for layer, part in zip(floored.layers, floor_parts):
+        assert layer.nbytes <= part
+    for bad, match in ((1.5, "fraction in"), (True, "fraction in"), (0.5, "use it with split='peak'")):
+        with pytest.raises(rdkv.RDKVError, match=match):
+            rdkv.compress(rec, 0.1, weights="reconstruct", split_floor=bad, **({} if bad == 0.5 else {"split": "peak"}), **SMALL)
     with pytest.raises(rdkv.RDKVError, match="split='even'"):
         rdkv.compress(rec, 0.1, weights="reconstruct", split="even", **SMALL)
     for options in ({"weights": "reconstruct"}, {"split": "peak"}, {"method": "rdkv-reconstruct"}):

@@ -235,14 +235,16 @@ class Eviction:
 class Solve:
     """``scope="layer"``: a budget per layer, split as ``split`` says (:func:`rdkv.solvers.allocate.layer_budgets`:
     ``"bytes"``, each layer's share of the fp16 bytes; ``"peak"``, KVzip's one ranking of every layer's tokens by
-    the reconstruction pass's peaks, which it runs whatever the weights); ``"global"``: one knapsack over every layer and head,
-    with ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
+    the reconstruction pass's peaks, which it runs whatever the weights, with ``split_floor`` of it handed out by
+    bytes instead: a floor for the layers the pass reads little); ``"global"``: one knapsack over every layer and
+    head, with ``layer_gains`` (one positive multiplier per layer, :func:`rdkv.fit_layer_gains`) weighing each layer's
     distortion. ``passes``: how often K is re-priced for the tokens the previous pass kept."""
 
     scope: str = "layer"
     passes: int = 3
     layer_gains: tuple[float, ...] | None = None
     split: str = "bytes"
+    split_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.scope not in ("global", "layer"):
@@ -251,6 +253,11 @@ class Solve:
             raise RDKVError(f"split={self.split!r} is not one of {SPLITS}")
         if self.split != "bytes" and self.scope != "layer":
             raise RDKVError(f"split={self.split!r} divides the budget between layers: use it with scope='layer'")
+        f = self.split_floor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise RDKVError(f"split_floor must be a fraction in [0, 1] (the share of the budget split by bytes), got {f!r}")
+        if f and self.split != "peak":
+            raise RDKVError(f"split_floor={f!r} puts a floor under split='peak''s layer parts: use it with split='peak'")
         if not isinstance(self.passes, int) or isinstance(self.passes, bool) or self.passes < 1:
             raise RDKVError(f"passes must be a positive int, got {self.passes!r}")
         if self.layer_gains is not None:
@@ -260,7 +267,7 @@ class Solve:
                 raise RDKVError(f"layer_gains must be positive finite numbers, one per layer, got {self.layer_gains!r}")
 
     def __call__(self, tables: list[LayerTables], budgets: list[float]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return allocate(tables, budgets, self.scope, self.passes, self.split)
+        return allocate(tables, budgets, self.scope, self.passes, self.split, self.split_floor)
 
 
 # compress(**options) keyword -> (part, field): the names the results and scripts use
@@ -274,7 +281,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
-    "split": ("solve", "split"),
+    "split": ("solve", "split"), "split_floor": ("solve", "split_floor"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
 }
 
