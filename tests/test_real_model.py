@@ -42,6 +42,8 @@ def run():
     _, tables, fp16 = rdkv.pipeline.allocation_tables(rec, split="peak")
     out["window_split"] = ([layer.nbytes for layer in window.layers], layer_budgets(tables, 0, 0.1 * fp16[0], "peak"),
                            layer_budgets(tables, 0, 0.1 * fp16[0], "bytes"))
+    floored = rdkv.compress(rec, 0.1, split="peak", split_floor=0.5)
+    out["floored_split"] = ([layer.nbytes for layer in floored.layers], layer_budgets(tables, 0, 0.1 * fp16[0], "peak", 0.5))
     ans = tok(probe["answer"], add_special_tokens=False).input_ids
     at = next(i for i in range(ctx.shape[1]) if ctx[0, i : i + len(ans)].tolist() == ans)
     out["needle_peak"] = torch.stack([st.recon.peak[0, :, at : at + len(ans)] for st in rec.layers.values()])
@@ -134,6 +136,12 @@ def test_the_peak_split_divides_the_window_weights_budget_too(run):
     assert all(h <= p for h, p in zip(held, parts))
     assert max(p / e for p, e in zip(parts, even)) > 1.5
     assert abs(sum(parts) - sum(even)) < 1e-6 * sum(even)
+    # split_floor=0.5: half of what the top-k hands out goes by bytes instead, so the layer it favours least gains
+    # and the one it favours most loses; the parts still add up to the budget and each layer fits its part
+    held, floored = run["floored_split"]
+    assert all(h <= f for h, f in zip(held, floored))
+    assert abs(sum(floored) - sum(even)) < 1e-6 * sum(even)
+    assert max(f / p for f, p in zip(floored, parts)) > 1.2 and min(f / p for f, p in zip(floored, parts)) < 0.9
 
 
 def test_lagrangian_within_one_percent_of_exact_on_a_real_instance(run):
