@@ -1,5 +1,6 @@
 """Where do a RULER sample's needles go in a compressed cache? Per layer that can see them: each needle
-sentence's V widths, the layer's kept tokens and its mean K width; and the greedy answer.
+sentence's V widths, the layer's kept tokens, its mean K width and its share of the cache's bytes; and the greedy
+answer.
 
     python scripts/diag_needles.py --model gemma3-270m --task niah_multikey --context 16384 --sample 0 --method rdkv-aware --budgets 0.025 0.1
     python scripts/diag_needles.py --context 16384 --method rdkv-aware rdkv-aware:carry=1 --budgets 0.025
@@ -58,9 +59,9 @@ def main() -> None:
     print(f"{args.model}, {args.task} at {args.context} tokens, sample {args.sample}, {args.protocol}; asked: {asked}\n")
     with rdkv.record(model) as rec:
         full = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
-    print("| method | budget | layer | kept tokens | mean K bits | " + " | ".join(
+    print("| method | budget | layer | kept tokens | mean K bits | bytes | " + " | ".join(
         f"{v}{' (asked)' if v in asked else ''} at {p.start}: kept, mean V bits" for _, v, p in spans) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(spans))
+    print("|---|---|---|---|---|---|" + "---|" * len(spans))
     answers = [("full", "-", greedy(model, copy.deepcopy(full), asks[0][1], s.max_new_tokens, tok))]
     del full
     for name, b in [(m, b) for m in args.method for b in settings(split_method(m)[0], args.budgets)]:
@@ -78,7 +79,7 @@ def main() -> None:
             if len(cells) < len(spans):
                 continue  # a sliding-window layer that does not hold every needle
             print(f"| {name} | {b} | {li} | {int((vw > 0).sum())} of {vw.numel()} | "
-                  f"{layer.k_widths().float().mean():.1f} | " + " | ".join(cells) + " |")
+                  f"{layer.k_widths().float().mean():.1f} | {layer.nbytes / cache.nbytes:.1%} | " + " | ".join(cells) + " |")
     print("\n| method | budget | greedy answer |\n|---|---|---|")
     for name, b, answer in answers:
         print(f"| {name} | {b} | {answer.strip()!r} |")

@@ -128,8 +128,8 @@ def test_greedy_with_explicit_positions_answers_as_the_cache_length_does():
 
 def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_layer(monkeypatch, capsys):
     """scripts/diag_needles.py on SmolLM2: the four multi-key needles are found at the tokens that spell them,
-    every layer gets one row per method and budget whose cells are shares of those tokens, and each cache's greedy
-    answer is printed beside the full cache's."""
+    every layer gets one row per method and budget whose cells are shares of those tokens (and of the cache's bytes,
+    which add up to the whole), and each cache's greedy answer is printed beside the full cache's."""
     import diag_needles
     from conftest import load_real
 
@@ -146,6 +146,8 @@ def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_laye
     out = capsys.readouterr().out.splitlines()
     rows = [r for r in out if r.startswith("| rdkv-aware | 0.1 | ")]
     assert len(rows) == model.config.num_hidden_layers + 1  # every layer, then the answer
-    shares = [int(c.split("%")[0]) for r in rows[:-1] for c in r.split("|")[6:-1]]
+    shares = [int(c.split("%")[0]) for r in rows[:-1] for c in r.split("|")[7:-1]]
     assert len(shares) == 4 * (len(rows) - 1) and all(0 <= x <= 100 for x in shares) and max(shares) > 0
+    byte_shares = [float(r.split("|")[6].strip().rstrip("%")) for r in rows[:-1]]  # every layer is global here
+    assert abs(sum(byte_shares) - 100) <= 0.05 * len(byte_shares)  # each rounded to 0.1%
     assert sum(r.startswith("| full | - | '") for r in out) == 1 and rows[-1].count("'") >= 2
