@@ -151,3 +151,27 @@ def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_laye
     byte_shares = [float(r.split("|")[6].strip().rstrip("%")) for r in rows[:-1]]  # every layer is global here
     assert abs(sum(byte_shares) - 100) <= 0.05 * len(byte_shares)  # each rounded to 0.1%
     assert sum(r.startswith("| full | - | '") for r in out) == 1 and rows[-1].count("'") >= 2
+
+
+def test_oracle_diagnosis_hands_back_one_part_of_the_allocation_per_row(monkeypatch, capsys):
+    """scripts/diag_oracles.py on Gemma 3 (sliding-window and global layers) at 1k: one row per oracle, in order;
+    the allocation itself fits the budget, handing anything back only adds bytes, and the cache with every token
+    at 16 bits holds the full cache (its bytes plus the packed format's metadata) and answers as it does."""
+    import diag_oracles
+    from conftest import load_real
+
+    model, tok = load_real("gemma3-270m")
+    monkeypatch.setattr(diag_oracles.rdkv.models, "load", lambda name: (model, tok))
+    monkeypatch.setattr(sys, "argv", ["diag_oracles.py", "--context", "1000", "--budget", "0.1", "--layers", "5"])
+    diag_oracles.main()
+    rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
+    names = [r[0][2:] for r in rows]
+    assert names == ["full", "as allocated", "every token at 16 bits", "kept tokens at 16 bits",
+                     "evicted tokens back at 16 bits", "sliding-window layers whole at 16 bits",
+                     "sliding-window layers whole at 2 bits", "layer 5 at 16 bits", "every layer but 5 at 16 bits"]
+    size = {n: float(r[1]) for n, r in zip(names, rows)}
+    answer = {n: r[2].rstrip(" |") for n, r in zip(names, rows)}
+    assert 0.05 < size["as allocated"] <= 0.1
+    assert 1 < size["every token at 16 bits"] < 1.05 and answer["every token at 16 bits"] == answer["full"]
+    assert all(size[n] > size["as allocated"] for n in names[3:])
+    assert size["sliding-window layers whole at 2 bits"] < size["sliding-window layers whole at 16 bits"]

@@ -1,0 +1,113 @@
+"""Which part of a compressed cache loses a RULER sample's answer? Oracles: the method's own allocation with one
+part of it handed back (more bits, or the evicted tokens), each decoded greedily.
+
+    python scripts/diag_oracles.py --model gemma3-270m --task niah_single --context 8192 --sample 0 --method rdkv-reconstruct --budget 0.1
+
+One prefill of the sample as ``eval_ruler.py`` builds it (``--protocol agnostic``: the context alone; ``aware``: the
+first question in the prompt), allocated once by ``--method`` at ``--budget``. Each row packs that allocation with
+one change and answers the first question through it:
+
+* ``as allocated``: the cache ``rdkv.compress`` returns;
+* ``every token at 16 bits``: nothing evicted or quantized, a check that the rows below start from the full cache's
+  answer;
+* ``kept tokens at 16 bits``: the same tokens kept, unquantized (what eviction alone loses);
+* ``evicted tokens back at 16 bits``: the same widths, nothing evicted (what quantization alone loses);
+* ``sliding-window layers whole at W bits`` (hybrid models): every token those layers hold, at 16 and at 2 bits,
+  the full-attention layers as allocated;
+* ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
+  full-attention layers of a hybrid model, else none): which layer is enough to keep, or to lose, the answer.
+
+The bytes column is each cache's size over the fp16 bytes of what the prefill holds, before the question is fed.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import ruler
+import torch
+from common import method_arg, method_of
+from eval_ruler import greedy, prompts
+
+import rdkv
+from rdkv.methods import HeldLayer
+from rdkv.pipeline import dtype16, held_layers, pack_held, weigh
+from rdkv.quant import OPTION
+from rdkv.trizone import TriZoneCache
+
+Change = Callable[[int, HeldLayer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def whole(width: int) -> Change:
+    """Every token the layer holds at ``width`` (V) and every K block at ``width``."""
+    return lambda i, h, v, k: (torch.where(h.present, OPTION[width], OPTION[0]).to(v.dtype), torch.full_like(k, OPTION[width]))
+
+
+def kept_at_16(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.where(v > OPTION[0], OPTION[16], OPTION[0]).to(v.dtype), torch.full_like(k, OPTION[16])
+
+
+def evicted_at_16(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.where(h.present & (v == OPTION[0]), OPTION[16], v).to(v.dtype), k
+
+
+def on(layers: set[int], change: Change) -> Change:
+    """``change`` on ``layers`` only, the others as allocated."""
+    return lambda i, h, v, k: change(i, h, v, k) if i in layers else (v, k)
+
+
+def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]]:
+    """The rows of the module docstring, for these held layers."""
+    sliding = {i for i, h in enumerate(held) if h.stats.sliding_window is not None}
+    every = set(range(len(held)))
+    rows = [("as allocated", lambda i, h, v, k: (v, k)), ("every token at 16 bits", whole(16)),
+            ("kept tokens at 16 bits", kept_at_16), ("evicted tokens back at 16 bits", evicted_at_16)]
+    if sliding:
+        rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
+    for i in layers:
+        rows += [(f"layer {i} at 16 bits", on({i}, whole(16))), (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--task", default="niah_single", choices=ruler.TASKS)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
+    ap.add_argument("--protocol", default="agnostic", choices=("aware", "agnostic"))
+    ap.add_argument("--method", default="rdkv-reconstruct", type=method_arg,
+                    help="a method as eval_ruler.py takes it, options after a colon (rdkv:surprisal=2)")
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--layers", type=int, nargs="*", default=None,
+                    help="layers to hand back one at a time (default: the full-attention layers of a hybrid model)")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    model, tok = rdkv.models.load(args.model)
+    s = ruler.sample(args.task, tok, args.context, args.sample, "prose")
+    prefix, asks = prompts(tok, s, args.protocol, "cpu")[0]
+    ids = asks[0][1]
+    with rdkv.record(model) as rec:
+        full = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
+    print(f"{args.model}, {args.task} at {args.context} tokens, sample {args.sample}, {args.protocol}, {args.method} at "
+          f"{args.budget}; expected: {s.questions[0].answers}\n")
+    print("| cache | bytes / fp16 | greedy answer |\n|---|---|---|")
+    print(f"| full | 1 | {greedy(model, full, ids, s.max_new_tokens, tok).strip()!r} |")
+    del full
+    m = method_of(model, args.method).for_record(rec)
+    weigh(rec, m)
+    held, fp16 = held_layers(rec, m)
+    alloc = m.allocate(rec, held, fp16, args.budget)
+    hybrid = any(h.stats.sliding_window is not None for h in held)
+    layers = args.layers if args.layers is not None else [
+        i for i, h in enumerate(held) if hybrid and h.stats.sliding_window is None]
+    for name, change in oracles(held, layers):
+        packed = [pack_held(h, *change(i, h, v, k), perm, m.spec, dtype16(model))
+                  for i, (h, v, k, perm) in enumerate(zip(held, alloc.v, alloc.k, alloc.perm))]
+        cache = TriZoneCache(packed, fp16_bytes=int(sum(fp16)), method=m.name)
+        size = cache.nbytes / cache.fp16_bytes
+        print(f"| {name} | {size:.3f} | {greedy(model, cache, ids, s.max_new_tokens, tok).strip()!r} |")
+
+
+if __name__ == "__main__":
+    main()
