@@ -1,21 +1,23 @@
-"""Which part of a compressed cache loses a RULER sample's answer? Oracles: the method's own allocation with one
-part of it handed back (more bits, or the evicted tokens), each decoded greedily.
+"""Which part of a compressed cache loses a RULER answer? Oracles: the method's own allocation packed again with
+one part of it changed, each cache answering the same question greedily.
 
     python scripts/diag_oracles.py --model gemma3-270m --task niah_single --context 8192 --sample 0 --method rdkv-reconstruct --budget 0.1
 
 One prefill of the sample as ``eval_ruler.py`` builds it (``--protocol agnostic``: the context alone; ``aware``: the
-first question in the prompt), allocated once by ``--method`` at ``--budget``. Each row packs that allocation with
-one change and answers the first question through it:
+question in the prompt), allocated once by ``--method`` at ``--budget``. Each row packs that allocation with one
+change and answers question ``--question`` through it:
 
-* ``as allocated``: the cache ``rdkv.compress`` returns;
-* ``every token at 16 bits``: nothing evicted or quantized, a check that the rows below start from the full cache's
+* ``as allocated``: the cache ``rdkv.compress`` returns (checked to fit the budget);
+* ``every token at 16 bits``: nothing evicted or quantized, a check that the rows start from the full cache's
   answer;
-* ``kept tokens at 16 bits``: the same tokens kept, unquantized (what eviction alone loses);
-* ``evicted tokens back at 16 bits``: the same widths, nothing evicted (what quantization alone loses);
-* ``sliding-window layers whole at W bits`` (hybrid models): every token those layers hold, at 16 and at 2 bits,
-  the full-attention layers as allocated;
+* ``kept tokens at 16 bits``: the same tokens kept, unquantized, K too (what eviction alone loses);
+* ``evicted tokens back at W bits``: the evicted tokens' V rows at W, the kept tokens and K as allocated (at 16,
+  what quantization alone loses; at 2, what the lowest width buys back);
+* ``sliding-window layers whole at W bits`` (hybrid models): every token and K block of those layers at W, above or
+  below the allocation's widths, the full-attention layers as allocated;
 * ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
-  full-attention layers of a hybrid model, else none): which layer is enough to keep, or to lose, the answer.
+  full-attention layers of a hybrid model, else none): whether that layer's compression is enough to lose the
+  answer, or needed to.
 
 The bytes column is each cache's size over the fp16 bytes of what the prefill holds, before the question is fed.
 """
@@ -35,20 +37,30 @@ from rdkv.pipeline import dtype16, held_layers, pack_held, weigh
 from rdkv.quant import OPTION
 from rdkv.trizone import TriZoneCache
 
+# (layer index, held layer, V options [B, H, T], K options [B, H, D / k_block]) -> the options to pack instead
+# (rdkv.quant.OPTION indices, as an Allocation holds them)
 Change = Callable[[int, HeldLayer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def as_allocated(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return v, k
 
 
 def whole(width: int) -> Change:
     """Every token the layer holds at ``width`` (V) and every K block at ``width``."""
-    return lambda i, h, v, k: (torch.where(h.present, OPTION[width], OPTION[0]).to(v.dtype), torch.full_like(k, OPTION[width]))
+    def change(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.where(h.present, OPTION[width], OPTION[0]).to(v.dtype), torch.full_like(k, OPTION[width])
+    return change
 
 
 def kept_at_16(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept tokens' V rows and every K block at 16 bits, the evicted tokens still evicted."""
     return torch.where(v > OPTION[0], OPTION[16], OPTION[0]).to(v.dtype), torch.full_like(k, OPTION[16])
 
 
-def evicted_at_16(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.where(h.present & (v == OPTION[0]), OPTION[16], v).to(v.dtype), k
+def evicted_back(width: int) -> Change:
+    """The evicted tokens' V rows back at ``width``, the rest as allocated."""
+    return lambda i, h, v, k: (torch.where(h.present & (v == OPTION[0]), OPTION[width], v).to(v.dtype), k)
 
 
 def on(layers: set[int], change: Change) -> Change:
@@ -60,12 +72,13 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
     """The rows of the module docstring, for these held layers."""
     sliding = {i for i, h in enumerate(held) if h.stats.sliding_window is not None}
     every = set(range(len(held)))
-    rows = [("as allocated", lambda i, h, v, k: (v, k)), ("every token at 16 bits", whole(16)),
-            ("kept tokens at 16 bits", kept_at_16), ("evicted tokens back at 16 bits", evicted_at_16)]
+    rows = [("as allocated", as_allocated), ("every token at 16 bits", whole(16)), ("kept tokens at 16 bits", kept_at_16)]
+    rows += [(f"evicted tokens back at {w} bits", evicted_back(w)) for w in (16, 2)]
     if sliding:
         rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
     for i in layers:
-        rows += [(f"layer {i} at 16 bits", on({i}, whole(16))), (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]
+        rows += [(f"layer {i} at 16 bits", on({i}, whole(16))),
+                 (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]
     return rows
 
 
@@ -78,19 +91,22 @@ def main() -> None:
     ap.add_argument("--protocol", default="agnostic", choices=("aware", "agnostic"))
     ap.add_argument("--method", default="rdkv-reconstruct", type=method_arg,
                     help="a method as eval_ruler.py takes it, options after a colon (rdkv:surprisal=2)")
+    ap.add_argument("--question", type=int, default=0, help="which of the sample's questions to ask")
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--layers", type=int, nargs="*", default=None,
-                    help="layers to hand back one at a time (default: the full-attention layers of a hybrid model)")
+                    help="layers to give 16 bits, and to leave alone compressed, one at a time (default: the full-attention layers of a hybrid model)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
     s = ruler.sample(args.task, tok, args.context, args.sample, "prose")
-    prefix, asks = prompts(tok, s, args.protocol, "cpu")[0]
-    ids = asks[0][1]
+    if not 0 <= args.question < len(s.questions):
+        ap.error(f"--question {args.question}: this sample has questions 0 to {len(s.questions) - 1}")
+    prefix, asks = prompts(tok, s, args.protocol, "cpu")[0 if args.protocol == "agnostic" else args.question]
+    ids = dict(asks)[args.question]
     with rdkv.record(model) as rec:
         full = rdkv.compat.output_cache(model(prefix, use_cache=True, logits_to_keep=1))
     print(f"{args.model}, {args.task} at {args.context} tokens, sample {args.sample}, {args.protocol}, {args.method} at "
-          f"{args.budget}; expected: {s.questions[0].answers}\n")
+          f"{args.budget}; question {args.question}, expected: {s.questions[args.question].answers}\n")
     print("| cache | bytes / fp16 | greedy answer |\n|---|---|---|")
     print(f"| full | 1 | {greedy(model, full, ids, s.max_new_tokens, tok).strip()!r} |")
     del full
@@ -106,7 +122,9 @@ def main() -> None:
                   for i, (h, v, k, perm) in enumerate(zip(held, alloc.v, alloc.k, alloc.perm))]
         cache = TriZoneCache(packed, fp16_bytes=int(sum(fp16)), method=m.name)
         size = cache.nbytes / cache.fp16_bytes
-        print(f"| {name} | {size:.3f} | {greedy(model, cache, ids, s.max_new_tokens, tok).strip()!r} |")
+        if change is as_allocated and size > args.budget:
+            raise SystemExit(f"{args.method} packed {size:.5f} of the fp16 bytes, over the budget {args.budget}")
+        print(f"| {name} | {size:.4f} | {greedy(model, cache, ids, s.max_new_tokens, tok).strip()!r} |")
 
 
 if __name__ == "__main__":

@@ -153,10 +153,12 @@ def test_needle_diagnosis_finds_every_needle_in_the_prompt_and_reports_each_laye
     assert sum(r.startswith("| full | - | '") for r in out) == 1 and rows[-1].count("'") >= 2
 
 
-def test_oracle_diagnosis_hands_back_one_part_of_the_allocation_per_row(monkeypatch, capsys):
-    """scripts/diag_oracles.py on Gemma 3 (sliding-window and global layers) at 1k: one row per oracle, in order;
-    the allocation itself fits the budget, handing anything back only adds bytes, and the cache with every token
-    at 16 bits holds the full cache (its bytes plus the packed format's metadata) and answers as it does."""
+def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(monkeypatch, capsys):
+    """scripts/diag_oracles.py on Gemma 3 (sliding-window and global layers) at 1k: one row per oracle, in order. The
+    allocation fits the budget; the cache with every token at 16 bits holds the full cache (its bytes plus the
+    packed format's metadata) and answers as it does; each partial change costs less than that and more than the
+    allocation, and at 2 bits less than at 16; a layer's bytes are its own (one layer at 16 bits plus every other
+    layer at 16 bits is the allocation plus every layer at 16 bits)."""
     import diag_oracles
     from conftest import load_real
 
@@ -167,11 +169,17 @@ def test_oracle_diagnosis_hands_back_one_part_of_the_allocation_per_row(monkeypa
     rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
     names = [r[0][2:] for r in rows]
     assert names == ["full", "as allocated", "every token at 16 bits", "kept tokens at 16 bits",
-                     "evicted tokens back at 16 bits", "sliding-window layers whole at 16 bits",
-                     "sliding-window layers whole at 2 bits", "layer 5 at 16 bits", "every layer but 5 at 16 bits"]
-    size = {n: float(r[1]) for n, r in zip(names, rows)}
+                     "evicted tokens back at 16 bits", "evicted tokens back at 2 bits",
+                     "sliding-window layers whole at 16 bits", "sliding-window layers whole at 2 bits",
+                     "layer 5 at 16 bits", "every layer but 5 at 16 bits"]
+    size = {n: float(r[1]) for n, r in zip(names, rows)}  # printed to 4 decimals
     answer = {n: r[2].rstrip(" |") for n, r in zip(names, rows)}
-    assert 0.05 < size["as allocated"] <= 0.1
-    assert 1 < size["every token at 16 bits"] < 1.05 and answer["every token at 16 bits"] == answer["full"]
-    assert all(size[n] > size["as allocated"] for n in names[3:])
-    assert size["sliding-window layers whole at 2 bits"] < size["sliding-window layers whole at 16 bits"]
+    assert 0.09 < size["as allocated"] <= 0.1  # the solver spends the budget but for page and K-group rounding
+    # metadata over fp16: one position per kept row, K scales and zeros; measured 1.008 at 1k
+    assert 1 < size["every token at 16 bits"] < 1.02 and answer["every token at 16 bits"] == answer["full"]
+    for n in names[3:]:
+        assert size["as allocated"] < size[n] < size["every token at 16 bits"], n
+    for part in ("evicted tokens back at", "sliding-window layers whole at"):
+        assert size[f"{part} 2 bits"] < size[f"{part} 16 bits"]
+    one, rest = size["layer 5 at 16 bits"], size["every layer but 5 at 16 bits"]
+    assert abs(one + rest - size["as allocated"] - size["every token at 16 bits"]) < 3e-4  # four roundings
