@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import ruler
 import torch
 
 import rdkv
@@ -115,6 +116,15 @@ def split_method(text: str) -> tuple[str | Method, dict]:
             except ValueError:
                 pass
     return method, overrides
+
+
+def add_sample_args(ap: argparse.ArgumentParser, task: str, protocol: str) -> None:
+    """The arguments that name one RULER sample and its prefill, as the diagnostic scripts take them."""
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--task", default=task, choices=ruler.TASKS)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
+    ap.add_argument("--protocol", default=protocol, choices=("aware", "agnostic"))
 
 
 def method_arg(text: str) -> str:

@@ -19,7 +19,7 @@ import copy
 
 import ruler
 import torch
-from common import method_arg, method_of, settings, split_method
+from common import add_sample_args, method_arg, method_of, settings, split_method
 from eval_ruler import greedy, prompts
 
 import rdkv
@@ -41,11 +41,7 @@ def needle_spans(tok, ids: list[int], context: str) -> list[tuple[str, str, rang
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--task", default="niah_multikey", choices=ruler.TASKS)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
-    ap.add_argument("--protocol", default="aware", choices=("aware", "agnostic"))
+    add_sample_args(ap, "niah_multikey", "aware")
     ap.add_argument("--method", nargs="+", default=["rdkv-aware"], type=method_arg,
                     help="methods as eval_ruler.py takes them, options after a colon (rdkv:surprisal=2)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.025, 0.1])

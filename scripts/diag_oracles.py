@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import ruler
 import torch
-from common import method_arg, method_of
+from common import add_sample_args, method_arg, method_of
 from eval_ruler import greedy, prompts
 
 import rdkv
@@ -84,11 +84,7 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--task", default="niah_single", choices=ruler.TASKS)
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--sample", type=int, default=0, help="eval_ruler's sample index (seed 0 + sample)")
-    ap.add_argument("--protocol", default="agnostic", choices=("aware", "agnostic"))
+    add_sample_args(ap, "niah_single", "agnostic")
     ap.add_argument("--method", default="rdkv-reconstruct", type=method_arg,
                     help="a method as eval_ruler.py takes it, options after a colon (rdkv:surprisal=2)")
     ap.add_argument("--question", type=int, default=0, help="which of the sample's questions to ask")
