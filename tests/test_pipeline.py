@@ -257,9 +257,10 @@ def test_pooled_weights_raise_every_token_to_its_neighbourhood_max(llama):
         assert (b.dv[..., 1:] > a.dv[..., 1:] * 1.01).any()
 
 
-def test_forward_pooling_spreads_a_weight_onto_the_tokens_after_it_only():
+def test_one_sided_pooling_spreads_a_weight_onto_the_tokens_on_its_side_only():
     """pool_forward=3: a weight at token 5 reaches tokens 6-8 and nothing before it; with pool=3 as well, the
-    centred pool runs first (4-6), then the forward one (4-9)."""
+    centred pool runs first (4-6), then the forward one (4-9). pool_back=2: it reaches tokens 3-4 and nothing
+    after it; with pool_forward=1 too, 3-6."""
     from rdkv.dense import AttentionSums
     from rdkv.methods import Weights
 
@@ -274,6 +275,11 @@ def test_forward_pooling_spreads_a_weight_onto_the_tokens_after_it_only():
     assert got.mass[0, 1].tolist() == [1.0] * 4 + [0] * 8
     assert torch.equal(got.mass2, got.mass.square())
     assert pooled(pool=3, pool_forward=3).mass[0, 0].tolist() == [0] * 4 + [2.0] * 6 + [0] * 2
+    back = pooled(pool_back=2)
+    assert back.mass[0, 0].tolist() == [0] * 3 + [2.0] * 3 + [0] * 6
+    assert back.mass[0, 1].tolist() == [1.0] + [0] * 11  # nothing before the first token to reach
+    assert torch.equal(back.mass2, back.mass.square())
+    assert pooled(pool_back=2, pool_forward=1).mass[0, 0].tolist() == [0] * 3 + [2.0] * 4 + [0] * 5
 
 
 def test_report_names_the_layers_that_hold_the_modelled_distortion(llama):

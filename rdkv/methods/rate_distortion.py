@@ -56,7 +56,9 @@ class Weights:
     them (:func:`rdkv.weights.per_visible`, capped at ``visible_cap``). ``pool`` max-pools the token weights
     (SnapKV-style, odd; 1 = none); ``pool_forward`` lets a token's weight also reach the ``pool_forward``
     tokens after it, one-sided: a question attends to a needle's start, and what follows is read while
-    the answer is written. ``q_floor`` replaces that fraction of each K channel's query weight by
+    the answer is written; ``pool_back`` lets it reach the ``pool_back`` tokens before it: the repetition reads
+    the first token of a copied span (a number's first digit) less than the span's rest, and a later question
+    needs it as much. ``q_floor`` replaces that fraction of each K channel's query weight by
     the channel mean. ``horizon``: on sliding-window layers, a token is weighed by the share of the next
     ``horizon`` decode queries that can still see it (:func:`rdkv.weights.lifetime`). ``score="max"`` (with
     ``form="reconstruct"``) weighs each token by the largest attention any one repetition query paid it, squared,
@@ -77,6 +79,7 @@ class Weights:
     visible_cap: float | None = None
     pool: int = 1
     pool_forward: int = 0
+    pool_back: int = 0
     q_floor: float = 0.0
     horizon: int | None = None
     score: str = "sum"
@@ -102,8 +105,10 @@ class Weights:
         for name in ("window", "window_sliding", "horizon"):
             _positive_int(name, getattr(self, name))
         _odd("pool_weights", self.pool)
-        if not isinstance(self.pool_forward, int) or isinstance(self.pool_forward, bool) or self.pool_forward < 0:
-            raise RDKVError(f"pool_forward must be an int >= 0 (tokens a weight reaches after its own), got {self.pool_forward!r}")
+        for name, where in (("pool_forward", "after"), ("pool_back", "before")):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise RDKVError(f"{name} must be an int >= 0 (tokens a weight reaches {where} its own), got {n!r}")
         if not 0 <= self.visible <= 1:
             raise RDKVError(f"visible must be a number in [0, 1] (how far to correct for causal visibility), "
                             f"got {self.visible!r}")
@@ -135,8 +140,8 @@ class Weights:
 
     def pooled(self, sums: AttentionSums) -> AttentionSums:
         """``sums`` with token weights max-pooled over ``pool`` neighbours, then over the ``pool_forward``
-        tokens before each (weights are >= 0, so zero padding is exact): a token next to, or after, an
-        attended one counts as attended."""
+        tokens before each and the ``pool_back`` tokens after each (weights are >= 0, so zero padding is exact): a
+        token next to, after or before an attended one counts as attended."""
         if self.pool > 1:
             mp = lambda x: F.max_pool1d(x, self.pool, 1, self.pool // 2)  # noqa: E731
             sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
@@ -144,6 +149,10 @@ class Weights:
             k = self.pool_forward
             fw = lambda x: F.max_pool1d(F.pad(x, (k, 0)), k + 1, 1)  # noqa: E731
             sums.mass, sums.mass2 = fw(sums.mass), fw(sums.mass2)
+        if self.pool_back:
+            k = self.pool_back
+            bw = lambda x: F.max_pool1d(F.pad(x, (0, k)), k + 1, 1)  # noqa: E731
+            sums.mass, sums.mass2 = bw(sums.mass), bw(sums.mass2)
         return sums
 
 
@@ -274,7 +283,8 @@ class Solve:
 OPTIONS: dict[str, tuple[str | None, str]] = {
     "weights": ("weights", "form"), "window": ("weights", "window"), "window_sliding": ("weights", "window_sliding"),
     "visible": ("weights", "visible"), "visible_cap": ("weights", "visible_cap"), "pool_weights": ("weights", "pool"),
-    "pool_forward": ("weights", "pool_forward"), "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
+    "pool_forward": ("weights", "pool_forward"), "pool_back": ("weights", "pool_back"),
+    "q_floor": ("weights", "q_floor"), "horizon": ("weights", "horizon"),
     "score": ("weights", "score"), "k_price": ("weights", "k_price"), "blend": ("weights", "blend"),
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "carry": ("prior", "carry"),
