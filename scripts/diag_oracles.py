@@ -13,11 +13,13 @@ change and answers question ``--question`` through it:
 * ``kept tokens at 16 bits``: the same tokens kept, unquantized, K too (what eviction alone loses);
 * ``evicted tokens back at W bits``: the evicted tokens' V rows at W, the kept tokens and K as allocated (at 16,
   what quantization alone loses; at 2, what the lowest width buys back);
+* ``K blocks at 2 bits or more``: the K blocks the allocation keeps only as channel means at 2 bits, V as
+  allocated (what K's mean-only blocks lose);
 * ``sliding-window layers whole at W bits`` (hybrid models): every token and K block of those layers at W, above or
   below the allocation's widths, the full-attention layers as allocated;
 * ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
   full-attention layers of a hybrid model, else none): whether that layer's compression is enough to lose the
-  answer, or needed to.
+  answer, or needed to; ``layer i's evicted tokens back at W bits``: whether that layer's eviction is.
 
 The bytes column is each cache's size over the fp16 bytes of what the prefill holds, before the question is fed.
 """
@@ -63,6 +65,11 @@ def evicted_back(width: int) -> Change:
     return lambda i, h, v, k: (torch.where(h.present & (v == OPTION[0]), OPTION[width], v).to(v.dtype), k)
 
 
+def k_at_least_2(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every K block kept at its channel means (0 bits) raised to 2 bits, the rest as allocated."""
+    return v, k.clamp_min(OPTION[2])
+
+
 def on(layers: set[int], change: Change) -> Change:
     """``change`` on ``layers`` only, the others as allocated."""
     return lambda i, h, v, k: change(i, h, v, k) if i in layers else (v, k)
@@ -74,11 +81,13 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
     every = set(range(len(held)))
     rows = [("as allocated", as_allocated), ("every token at 16 bits", whole(16)), ("kept tokens at 16 bits", kept_at_16)]
     rows += [(f"evicted tokens back at {w} bits", evicted_back(w)) for w in (16, 2)]
+    rows += [("K blocks at 2 bits or more", k_at_least_2)]
     if sliding:
         rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
     for i in layers:
         rows += [(f"layer {i} at 16 bits", on({i}, whole(16))),
                  (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]
+        rows += [(f"layer {i}'s evicted tokens back at {w} bits", on({i}, evicted_back(w))) for w in (2, 16)]
     return rows
 
 

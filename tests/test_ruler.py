@@ -157,7 +157,8 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     """scripts/diag_oracles.py on Gemma 3 (sliding-window and global layers) at 1k: one row per oracle, in order. The
     allocation fits the budget; the cache with every token at 16 bits holds the full cache (its bytes plus the
     packed format's metadata) and answers as it does; each partial change costs less than that and more than the
-    allocation, and at 2 bits less than at 16; a layer's bytes are its own (one layer at 16 bits plus every other
+    allocation (so the allocation keeps some K blocks as channel means), and at 2 bits less than at 16; one
+    layer's evicted tokens cost less than every layer's and than that layer whole; a layer's bytes are its own (one layer at 16 bits plus every other
     layer at 16 bits is the allocation plus every layer at 16 bits)."""
     import diag_oracles
     from conftest import load_real
@@ -169,9 +170,10 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
     names = [r[0][2:] for r in rows]
     assert names == ["full", "as allocated", "every token at 16 bits", "kept tokens at 16 bits",
-                     "evicted tokens back at 16 bits", "evicted tokens back at 2 bits",
+                     "evicted tokens back at 16 bits", "evicted tokens back at 2 bits", "K blocks at 2 bits or more",
                      "sliding-window layers whole at 16 bits", "sliding-window layers whole at 2 bits",
-                     "layer 5 at 16 bits", "every layer but 5 at 16 bits"]
+                     "layer 5 at 16 bits", "every layer but 5 at 16 bits",
+                     "layer 5's evicted tokens back at 2 bits", "layer 5's evicted tokens back at 16 bits"]
     size = {n: float(r[1]) for n, r in zip(names, rows)}  # printed to 4 decimals
     answer = {n: r[2].rstrip(" |") for n, r in zip(names, rows)}
     assert 0.09 < size["as allocated"] <= 0.1  # the solver spends the budget but for page and K-group rounding
@@ -179,7 +181,10 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     assert 1 < size["every token at 16 bits"] < 1.02 and answer["every token at 16 bits"] == answer["full"]
     for n in names[3:]:
         assert size["as allocated"] < size[n] < size["every token at 16 bits"], n
-    for part in ("evicted tokens back at", "sliding-window layers whole at"):
+    for part in ("evicted tokens back at", "sliding-window layers whole at", "layer 5's evicted tokens back at"):
         assert size[f"{part} 2 bits"] < size[f"{part} 16 bits"]
+    # one layer's evicted tokens are a part of every layer's, and of that layer whole
+    assert size["layer 5's evicted tokens back at 16 bits"] < min(size["evicted tokens back at 16 bits"],
+                                                                  size["layer 5 at 16 bits"])
     one, rest = size["layer 5 at 16 bits"], size["every layer but 5 at 16 bits"]
     assert abs(one + rest - size["as allocated"] - size["every token at 16 bits"]) < 3e-4  # four roundings
