@@ -17,6 +17,8 @@ change and answers question ``--question`` through it:
   allocated (what K's mean-only blocks lose);
 * ``sliding-window layers whole at W bits`` (hybrid models): every token and K block of those layers at W, above or
   below the allocation's widths, the full-attention layers as allocated;
+* ``sliding-window layers' last N tokens at 2 bits``: those tokens' V rows at 2 bits or more and every K block of
+  those layers at 2 bits or more, the rest as allocated (how much of the window a later question needs);
 * ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
   full-attention layers of a hybrid model, else none): whether that layer's compression is enough to lose the
   answer, or needed to; ``layer i's evicted tokens back at W bits``: whether that layer's eviction is.
@@ -41,6 +43,7 @@ from rdkv.trizone import TriZoneCache
 
 # (layer index, held layer, V options [B, H, T], K options [B, H, D / k_block]) -> the options to pack instead
 # (rdkv.quant.OPTION indices, as an Allocation holds them)
+TAILS = (64, 128, 256, 384)  # how much of a sliding-window layer's end the tail oracles keep
 Change = Callable[[int, HeldLayer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -70,6 +73,14 @@ def k_at_least_2(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tupl
     return v, k.clamp_min(OPTION[2])
 
 
+def tail(n: int) -> Change:
+    """The layer's last ``n`` tokens at 2 bits or more (V) and its K blocks at 2 bits or more, the rest as allocated."""
+    def change(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        last = torch.arange(v.shape[-1], device=v.device) >= v.shape[-1] - n
+        return torch.where(h.present & last, v.clamp_min(OPTION[2]), v).to(v.dtype), k.clamp_min(OPTION[2])
+    return change
+
+
 def on(layers: set[int], change: Change) -> Change:
     """``change`` on ``layers`` only, the others as allocated."""
     return lambda i, h, v, k: change(i, h, v, k) if i in layers else (v, k)
@@ -84,6 +95,7 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
     rows += [("K blocks at 2 bits or more", k_at_least_2)]
     if sliding:
         rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
+        rows += [(f"sliding-window layers' last {n} tokens at 2 bits", on(sliding, tail(n))) for n in TAILS]
     for i in layers:
         rows += [(f"layer {i} at 16 bits", on({i}, whole(16))),
                  (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]

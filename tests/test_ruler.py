@@ -172,6 +172,7 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     assert names == ["full", "as allocated", "every token at 16 bits", "kept tokens at 16 bits",
                      "evicted tokens back at 16 bits", "evicted tokens back at 2 bits", "K blocks at 2 bits or more",
                      "sliding-window layers whole at 16 bits", "sliding-window layers whole at 2 bits",
+                     *(f"sliding-window layers' last {n} tokens at 2 bits" for n in diag_oracles.TAILS),
                      "layer 5 at 16 bits", "every layer but 5 at 16 bits",
                      "layer 5's evicted tokens back at 2 bits", "layer 5's evicted tokens back at 16 bits"]
     size = {n: float(r[1]) for n, r in zip(names, rows)}  # printed to 4 decimals
@@ -183,6 +184,9 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
         assert size["as allocated"] < size[n] < size["every token at 16 bits"], n
     for part in ("evicted tokens back at", "sliding-window layers whole at", "layer 5's evicted tokens back at"):
         assert size[f"{part} 2 bits"] < size[f"{part} 16 bits"]
+    # a longer tail holds more, and less than the whole window at 16 bits
+    tails = [size[f"sliding-window layers' last {n} tokens at 2 bits"] for n in diag_oracles.TAILS]
+    assert tails == sorted(tails) and tails[0] < tails[-1] < size["sliding-window layers whole at 16 bits"]
     # one layer's evicted tokens are a part of every layer's, and of that layer whole
     assert size["layer 5's evicted tokens back at 16 bits"] < min(size["evicted tokens back at 16 bits"],
                                                                   size["layer 5 at 16 bits"])
