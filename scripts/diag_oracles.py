@@ -13,7 +13,7 @@ change and answers question ``--question`` through it:
 * ``kept tokens at 16 bits``: the same tokens kept, unquantized, K too (what eviction alone loses);
 * ``evicted tokens back at W bits``: the evicted tokens' V rows at W, the kept tokens and K as allocated (at 16,
   what quantization alone loses; at 2, what the lowest width buys back);
-* ``K blocks at 2 bits or more``: the K blocks the allocation keeps only as channel means at 2 bits, V as
+* ``K blocks at 2 bits or more``: the K blocks the allocation keeps only as channel means raised to 2 bits, V as
   allocated (what K's mean-only blocks lose);
 * ``sliding-window layers whole at W bits`` (hybrid models): every token and K block of those layers at W, above or
   below the allocation's widths, the full-attention layers as allocated;

@@ -157,9 +157,10 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     """scripts/diag_oracles.py on Gemma 3 (sliding-window and global layers) at 1k: one row per oracle, in order. The
     allocation fits the budget; the cache with every token at 16 bits holds the full cache (its bytes plus the
     packed format's metadata) and answers as it does; each partial change costs less than that and more than the
-    allocation (so the allocation keeps some K blocks as channel means), and at 2 bits less than at 16; one
-    layer's evicted tokens cost less than every layer's and than that layer whole; a layer's bytes are its own (one layer at 16 bits plus every other
-    layer at 16 bits is the allocation plus every layer at 16 bits)."""
+    allocation (so the allocation keeps some K blocks as channel means), and at 2 bits less than at 16; a longer
+    tail of the sliding-window layers costs more; one layer's evicted tokens cost less than every layer's and than
+    that layer whole; a layer's bytes are its own (one layer at 16 bits plus every other layer at 16 bits is the
+    allocation plus every layer at 16 bits)."""
     import diag_oracles
     from conftest import load_real
 
