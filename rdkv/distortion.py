@@ -89,9 +89,6 @@ class LayerTables:
     # [B, H, T] the largest attention any reconstruction query paid each token (rdkv.reconstruct), None for
     # other weights: what split="peak" ranks the tokens of every layer by (rdkv.solvers.allocate.layer_budgets)
     peak: torch.Tensor | None = None
-    # the lowest K option the layer's blocks are meant to keep (1: 2 bits, rdkv.methods.Eviction.window_tail), which
-    # split="peak" counts in the least the layer can be packed in
-    k_least: int = 0
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""

@@ -188,7 +188,7 @@ PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this o
 def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", floor: float = 0.0) -> list[float]:
     """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
     ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
-    channel means or at its ``k_least``, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
+    channel means, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
     tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the largest attention a
     reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
     That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
@@ -205,7 +205,7 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", flo
     if any(t.peak is None for t in tables):
         raise ValueError('split="peak" ranks tokens by the reconstruction pass\'s peaks: use weights="reconstruct"')
     held = [t.protect[b].sum(-1) for t in tables]  # [H] tokens each stream keeps in any case
-    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, t.k_least].sum() * t.dk.shape[2])
+    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, 0].sum() * t.dk.shape[2])
                           for t, n in zip(tables, held)], dtype=torch.float64)
     free = [t.present[b] & ~t.protect[b] for t in tables]
     scores = torch.cat([t.peak[b][f] for t, f in zip(tables, free)])

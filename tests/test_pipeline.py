@@ -150,20 +150,6 @@ def test_gemma3_sliding_window_layers_decode_like_the_full_cache():
     assert cache.nbytes <= 0.3 * cache.fp16_bytes
 
 
-def test_window_tail_keeps_the_end_of_each_sliding_window_and_its_keys():
-    """window_tail=8 on a Gemma 3 whose sliding-window layers hold 15 tokens: at 30% their last 8 tokens are kept and
-    every K channel has 2 bits or more, where without it some channels are left as channel means (0 bits); the
-    budget still holds."""
-    model = tiny_gemma3()
-    rec, _ = recorded(model, torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0)))
-    plain = rdkv.compress(rec, 0.3, **SMALL)
-    assert any((plain.layers[i].k_widths() == 0).any() for i in (0, 1))
-    tail = rdkv.compress(rec, 0.3, window_tail=8, **SMALL)
-    assert tail.nbytes <= 0.3 * tail.fp16_bytes
-    for i in (0, 1):
-        assert (tail.layers[i].v_widths()[..., -8:] > 0).all() and (tail.layers[i].k_widths() >= 2).all()
-
-
 def test_two_compressions_of_one_prefill_are_independent(llama):
     ids, nxt = torch.randint(0, 96, (1, 90)), torch.randint(0, 96, (1, 3))
     rec, _ = recorded(llama, ids)

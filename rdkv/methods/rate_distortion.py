@@ -29,9 +29,6 @@ from .base import Allocation, HeldLayer, Method
 DEFAULT_WINDOW = 64  # window queries weigh tokens by default (a record keeps 256)
 SCORES = ("sum", "max")  # Weights.score: a token's squared attention summed over the queries, or its largest
 K_PRICES = ("mean", "readers")  # Weights.k_price: a key error priced from the queries' mean output, or their own
-# a K block's price at channel means where Eviction.window_tail rules them out: above any other choice, and finite,
-# so that the solver can still fall back on width 0 where nothing else fits
-K_FLOOR = 1e30
 
 
 def _positive_int(name: str, value) -> None:
@@ -211,26 +208,19 @@ class Eviction:
     """Whether tokens may be evicted (``allowed``), which may not (the sequence's first ``sinks`` real tokens
     and the prefill's last ``recent``), and the value an evicted token's error is measured from (``to``:
     :data:`rdkv.distortion.EVICT_TO`). ``jointly`` re-prices each pass's eviction from the set the previous
-    pass evicted (:func:`rdkv.distortion.joint_reprice`). ``window_tail``: on sliding-window layers the prefill's
-    last ``window_tail`` tokens may not be evicted either, and no K block of those layers is left as channel means
-    (0 bits) unless nothing else fits: a later question reads the end of the window, and tokens whose keys are only
-    channel means cannot be told apart (docs/experiments.md, 2026-12-07, "the sliding-window layers' end")."""
+    pass evicted (:func:`rdkv.distortion.joint_reprice`)."""
 
     allowed: bool = True
     sinks: int = 4
     recent: int = 32
     to: str = "heavy"
     jointly: bool = False
-    window_tail: int = 0
 
     def __post_init__(self) -> None:
         if self.to not in EVICT_TO:
             raise RDKVError(f"evict_to={self.to!r} is not one of {EVICT_TO}")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
-        n = self.window_tail
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise RDKVError(f"window_tail must be an int >= 0 (tokens kept at the end of each sliding window), got {n!r}")
         if self.jointly and self.to == "kept":
             raise RDKVError("evict_jointly re-prices eviction itself: use it with an evict_to other than 'kept'")
 
@@ -239,12 +229,7 @@ class Eviction:
         # sinks are the sequence's first real (unpadded) tokens: a sliding-window layer that no longer holds them
         # protects none, not the oldest tokens it holds, which are about to leave its window
         first = (st.valid.cumsum(-1)[:, None, start:] <= self.sinks).expand_as(present)
-        recent = self.recent if st.sliding_window is None else max(self.recent, self.window_tail)
-        return first | (pos >= st.seen - recent) | (not self.allowed)
-
-    def k_floor(self, st: LayerStats) -> bool:
-        """Whether the layer's K blocks keep 2 bits or more (``window_tail`` on a sliding-window layer)."""
-        return bool(self.window_tail) and st.sliding_window is not None
+        return first | (pos >= st.seen - self.recent) | (not self.allowed)
 
     def joint(self, st: LayerStats, start: int, window: int | None) -> JointEviction | None:
         if not self.jointly:
@@ -304,7 +289,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "carry": ("prior", "carry"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
-    "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"), "window_tail": ("eviction", "window_tail"),
+    "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
     "split": ("solve", "split"), "split_floor": ("solve", "split_floor"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
@@ -380,9 +365,6 @@ class RDKV(Method):
         tables = layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
                               w.q_floor, protect=protect, prerope=self.prerope, gain=gain,
                               joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
-        if ev.k_floor(st):
-            tables.dk[..., 0] = K_FLOOR
-            tables = replace(tables, k_least=1)
         return tables, carried
 
     def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
