@@ -41,9 +41,9 @@ from rdkv.pipeline import dtype16, held_layers, pack_held, weigh
 from rdkv.quant import OPTION
 from rdkv.trizone import TriZoneCache
 
+TAILS = (64, 128, 256, 384)  # how much of a sliding-window layer's end the tail oracles keep
 # (layer index, held layer, V options [B, H, T], K options [B, H, D / k_block]) -> the options to pack instead
 # (rdkv.quant.OPTION indices, as an Allocation holds them)
-TAILS = (64, 128, 256, 384)  # how much of a sliding-window layer's end the tail oracles keep
 Change = Callable[[int, HeldLayer, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

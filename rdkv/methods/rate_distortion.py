@@ -145,14 +145,10 @@ class Weights:
         if self.pool > 1:
             mp = lambda x: F.max_pool1d(x, self.pool, 1, self.pool // 2)  # noqa: E731
             sums.mass, sums.mass2 = mp(sums.mass), mp(sums.mass2)
-        if self.pool_forward:
-            k = self.pool_forward
-            fw = lambda x: F.max_pool1d(F.pad(x, (k, 0)), k + 1, 1)  # noqa: E731
-            sums.mass, sums.mass2 = fw(sums.mass), fw(sums.mass2)
-        if self.pool_back:
-            k = self.pool_back
-            bw = lambda x: F.max_pool1d(F.pad(x, (0, k)), k + 1, 1)  # noqa: E731
-            sums.mass, sums.mass2 = bw(sums.mass), bw(sums.mass2)
+        if self.pool_forward or self.pool_back:  # one window from pool_forward tokens before to pool_back after
+            f, b = self.pool_forward, self.pool_back
+            reach = lambda x: F.max_pool1d(F.pad(x, (f, b)), f + b + 1, 1)  # noqa: E731
+            sums.mass, sums.mass2 = reach(sums.mass), reach(sums.mass2)
         return sums
 
 
