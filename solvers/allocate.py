@@ -8,7 +8,9 @@ each further pass (``passes``) re-solves with K charged for the tokens the previ
 K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
-number of tokens, so phase 1's V choice leaves room for it. Phase 3 spends what is still left on V
+number of tokens, so phase 1's V choice leaves room for it; a layer whose K blocks may not drop below 2 bits
+(``k_least``) has each token phase 1 keeps charged its K row at 2 bits, which bounds that row's cost for any
+number of tokens. Phase 3 spends what is still left on V
 upgrades, with those K widths fixed and each newly kept token charged its K row too. Last, each stream's
 V classes are made whole pages (:func:`fit_pages`), so what the solver charged is what the cache holds.
 """
@@ -98,8 +100,9 @@ def _solve_linear(tables: list, b: int, budget: float, passes: int) -> tuple[lis
     n_kept = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream; first pass: all of them
     nv = sum(len(d) for d in dv)
     for p in range(passes):
-        # never below the cost of width 0 (2 bytes per channel mean): phase 2 must always afford it
-        rk = [k_rates(t, n, q).clamp_min(0 if t.k_least else float(t.rk(torch.zeros(()))[0])) for t, n, q in zip(tables, n_kept, least)]
+        # never below the cost of width 0 (2 bytes per channel mean) where phase 2 may fall back on it
+        rk = [k_rates(t, n, q).clamp_min(0 if t.k_least else float(t.rk(torch.zeros(()))[0]))
+              for t, n, q in zip(tables, n_kept, least)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
         R = torch.cat([torch.cat(rv_least), torch.cat(rk)])
         # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -1.7..+4.6%
@@ -211,9 +214,10 @@ PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this o
 def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", floor: float = 0.0) -> list[float]:
     """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
     ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
-    channel means or at its ``k_least``, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
-    tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the largest attention a
-    reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
+    channel means or at its ``k_least``, a 2-bit page more per stream) plus, of the rest, its share of one top-k
+    over the evictable tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the
+    largest attention a reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and
+    as much K each).
     That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
     context get the bytes, where an even split gives each layer as much (docs/experiments.md, 2026-12-07,
     "split='peak'"). ``floor`` (with ``"peak"``) hands that share of the rest out by fp16 bytes instead, so no
