@@ -8,9 +8,7 @@ each further pass (``passes``) re-solves with K charged for the tokens the previ
 K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
-number of tokens, so phase 1's V choice leaves room for it; a layer whose K blocks may not drop below 2 bits
-(``k_least``) has each token phase 1 keeps charged its K row at 2 bits, which bounds that row's cost for any
-number of tokens. Phase 3 spends what is still left on V
+number of tokens, so phase 1's V choice leaves room for it. Phase 3 spends what is still left on V
 upgrades, with those K widths fixed and each newly kept token charged its K row too. Last, each stream's
 V classes are made whole pages (:func:`fit_pages`), so what the solver charged is what the cache holds.
 """
@@ -84,53 +82,29 @@ def _solve_linear(tables: list, b: int, budget: float, passes: int) -> tuple[lis
     dv = [t.dv[b].masked_fill(_eviction_of(t.protect[b], t.dv.shape[-1]), float("inf"))[t.present[b]] for t in tables]
     rv = [t.rv.to(dev).expand(len(d), -1) for t, d in zip(tables, dv)]
     dk = [t.dk[b].flatten(0, 1) for t in tables]
-    # K blocks held at k_least or more: each kept token (and each stream once) is charged its K row at k_least
-    # up front, so that phase 2 can always afford it, and K is priced for what it costs above that
-    least = [_k_least_bound(t) for t in tables]
-    rv_least = [r + per * (torch.arange(r.shape[1], device=dev) > 0) for r, (_, per) in zip(rv, least)]
-    dk = [d.index_fill(1, torch.arange(t.k_least, device=dev), float("inf")) for t, d in zip(tables, dk)]
-    budget_least = budget - sum(one * t.dk.shape[1] for t, (one, _) in zip(tables, least))
-
-    def k_rates(t, n: torch.Tensor, bound: tuple[float, float]) -> torch.Tensor:
-        r = t.rk(n)
-        if t.k_least:
-            r = (r - (bound[0] + n.double().unsqueeze(-1) * bound[1]) / t.dk.shape[2]).clamp_min(0)
-        return r.repeat_interleave(t.dk.shape[2], 0)
-
     n_kept = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream; first pass: all of them
     nv = sum(len(d) for d in dv)
     for p in range(passes):
-        # never below the cost of width 0 (2 bytes per channel mean) where phase 2 may fall back on it
-        rk = [k_rates(t, n, q).clamp_min(0 if t.k_least else float(t.rk(torch.zeros(()))[0]))
-              for t, n, q in zip(tables, n_kept, least)]
+        # never below the cost of width 0 (2 bytes per channel mean): phase 2 must always afford it
+        rk = [t.rk(n).clamp_min(float(t.rk(torch.zeros(()))[0])).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
-        R = torch.cat([torch.cat(rv_least), torch.cat(rk)])
+        R = torch.cat([torch.cat(rv), torch.cat(rk)])
         # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -1.7..+4.6%
         # at 21-70x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
         try:
-            choice = lagrangian(D, R, budget_least, swap=False)
+            choice = lagrangian(D, R, budget, swap=False)
         except Infeasible as e:  # stated against the whole budget, so that a caller can scale it
-            raise Infeasible(str(e), e.need + budget - budget_least + fixed, budget + fixed) from e
+            raise Infeasible(str(e), e.need + fixed, e.budget + fixed) from e
         v_choice = choice[:nv].split([len(d) for d in dv])
         v_widths = _widths(tables, b, v_choice)
         n_kept = [(full > 0).sum(-1) for full in v_widths]
         if p + 1 < passes:
             dv = [_reprice(t, b, d, full) for t, d, full in zip(tables, dv, v_widths)]
-    spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv_least, v_choice))
-    rk2 = torch.cat([k_rates(t, n, q) for t, n, q in zip(tables, n_kept, least)])
-    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget_least - spent_v, swap=False)
+    spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
+    rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
+    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
     return dv, _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
-
-
-def _k_least_bound(t) -> tuple[float, float]:
-    """A stream's bytes for its K blocks at option ``t.k_least``, bounded as ``one + n * per_token`` for ``n`` kept
-    tokens (the bound :func:`_refill_v` uses): ``(one, per_token)``; ``(0, 0)`` where channel means are allowed."""
-    if not t.k_least:
-        return 0.0, 0.0
-    at = t.rk(torch.tensor([1.0, float(t.page), 0.0]))[:, t.k_least] * t.dk.shape[2]  # every block at 1, a page, 0 tokens
-    per_token = float(at[1] - at[2]) / t.page
-    return float(at[0]) - per_token, per_token
 
 
 def _eviction_of(tokens: torch.Tensor, options: int) -> torch.Tensor:
@@ -214,10 +188,9 @@ PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this o
 def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", floor: float = 0.0) -> list[float]:
     """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
     ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
-    channel means or at its ``k_least``, a 2-bit page more per stream) plus, of the rest, its share of one top-k
-    over the evictable tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the
-    largest attention a reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and
-    as much K each).
+    channel means, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
+    tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the largest attention a
+    reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
     That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
     context get the bytes, where an even split gives each layer as much (docs/experiments.md, 2026-12-07,
     "split='peak'"). ``floor`` (with ``"peak"``) hands that share of the rest out by fp16 bytes instead, so no
@@ -232,7 +205,7 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", flo
     if any(t.peak is None for t in tables):
         raise ValueError('split="peak" ranks tokens by the reconstruction pass\'s peaks: use weights="reconstruct"')
     held = [t.protect[b].sum(-1) for t in tables]  # [H] tokens each stream keeps in any case
-    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, t.k_least].sum() * t.dk.shape[2])
+    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, 0].sum() * t.dk.shape[2])
                           for t, n in zip(tables, held)], dtype=torch.float64)
     free = [t.present[b] & ~t.protect[b] for t in tables]
     scores = torch.cat([t.peak[b][f] for t, f in zip(tables, free)])

@@ -14,13 +14,11 @@ SPEC = PackSpec(**SMALL)
 H, T, D = 2, 512, 32
 
 
-def peaked_layer(seed: int = 0, flat: int = 0):
+def peaked_layer(seed: int = 0):
     """Tables of a layer whose window queries put almost all their mass on 5% of the tokens, with no
-    prior for unseen queries (a query-aware allocation): the rest are nearly free to evict. ``flat``: that many
-    key channels are constant, so their channel means lose nothing."""
+    prior for unseen queries (a query-aware allocation): the rest are nearly free to evict."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
-    k[..., D - flat:] = 1.0
     mass = torch.rand(1, H, T, generator=g) * 1e-4
     hot = torch.randperm(T, generator=g)[: T // 20]
     mass[..., hot] = 64 / len(hot) * (1 + torch.rand(len(hot), generator=g))
@@ -87,32 +85,3 @@ def test_split_floor_hands_its_share_of_the_rest_out_by_bytes():
         v, k = allocate([hot, cold], [budget], "layer", split="peak", floor=f)
         for t, part, vo, ko in zip((hot, cold), parts, v, k):
             assert spent(t, vo, ko) + t.fixed <= part
-
-
-def test_k_floor_keeps_every_key_block_at_2_bits_within_the_budget():
-    """k_least=1 (rdkv.methods.Eviction.k_floor): no K block is left as channel means, at budgets where without it
-    most are, and the layer still fits its budget and spends it to within whole pages. The solver charges each kept
-    token its 2-bit K row up front: that bound holds for any number of kept tokens, so the last pass can keep more
-    tokens than an earlier one priced K for and still afford 2 bits."""
-    from rdkv.solvers.allocate import _k_least_bound
-
-    plain = peaked_layer(flat=D // 2)
-    floored = replace(plain, k_least=1)
-    one, per_token = _k_least_bound(floored)
-    n = torch.arange(T + 1)
-    assert (floored.rk(n)[:, 1] * floored.dk.shape[2] <= one + n * per_token + 1e-9).all()
-    for frac in (0.05, 0.1, 0.25):
-        budget = frac * H * T * 4 * D
-        _, k0 = allocate([plain], [budget + plain.fixed], "layer", passes=3)
-        v, k = allocate([floored], [budget + floored.fixed], "layer", passes=3)
-        assert (k0[0] == 0).sum() == H  # each stream's flat block
-        assert (k[0] >= 1).all()
-        got = spent(floored, v[0], k[0])
-        # spent to within one stream's page at 16 bits (V rows and keys of 32 tokens: 63% of the budget at 5%,
-        # 13% at 25%; measured 88% / 93% / 100% spent at 5 / 10 / 25%)
-        assert budget - floored.page * (float(floored.rv[4]) + 2 * D) <= got <= budget
-    # the peak split counts the floor in each layer's least: K at 2 bits for its protected tokens, not channel means
-    cold = replace(floored, peak=torch.rand(1, H, T, generator=torch.Generator().manual_seed(2)))
-    least = cold.fixed + H * 32 * float(cold.rv[1]) + float(cold.rk(torch.zeros(H))[:, 1].sum()) * cold.dk.shape[2]
-    hot = replace(peaked_layer(1), peak=cold.peak + 1)
-    assert layer_budgets([hot, cold], 0, 0.1 * 2 * H * T * 4 * D, "peak")[1] == pytest.approx(least)

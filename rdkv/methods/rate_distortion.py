@@ -204,24 +204,19 @@ class Eviction:
     """Whether tokens may be evicted (``allowed``), which may not (the sequence's first ``sinks`` real tokens
     and the prefill's last ``recent``), and the value an evicted token's error is measured from (``to``:
     :data:`rdkv.distortion.EVICT_TO`). ``jointly`` re-prices each pass's eviction from the set the previous
-    pass evicted (:func:`rdkv.distortion.joint_reprice`). ``k_floor``: no K block is left as its channel means
-    (K's 0-bit option); every block keeps 2 bits or more, charged to the tokens kept. Keys that are only channel
-    means cannot tell the kept tokens apart (docs/experiments.md, 2026-12-07, "K blocks at 2 bits or more")."""
+    pass evicted (:func:`rdkv.distortion.joint_reprice`)."""
 
     allowed: bool = True
     sinks: int = 4
     recent: int = 32
     to: str = "heavy"
     jointly: bool = False
-    k_floor: bool = False
 
     def __post_init__(self) -> None:
         if self.to not in EVICT_TO:
             raise RDKVError(f"evict_to={self.to!r} is not one of {EVICT_TO}")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
-        if not isinstance(self.k_floor, bool):
-            raise RDKVError(f"k_floor must be True or False, got {self.k_floor!r}")
         if self.jointly and self.to == "kept":
             raise RDKVError("evict_jointly re-prices eviction itself: use it with an evict_to other than 'kept'")
 
@@ -290,7 +285,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "floor": ("prior", "floor"), "surprisal": ("prior", "surprisal"), "pool": ("prior", "pool"),
     "carry": ("prior", "carry"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
-    "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"), "k_floor": ("eviction", "k_floor"),
+    "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
     "split": ("solve", "split"), "split_floor": ("solve", "split_floor"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
@@ -366,7 +361,7 @@ class RDKV(Method):
         tables = layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
                               w.q_floor, protect=protect, prerope=self.prerope, gain=gain,
                               joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
-        return replace(tables, k_least=int(ev.k_floor)), carried
+        return tables, carried
 
     def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
         gains = self.solve.layer_gains or (1.0,) * len(layers)
