@@ -77,7 +77,7 @@ def tail(n: int) -> Change:
     """The layer's last ``n`` tokens at 2 bits or more (V) and its K blocks at 2 bits or more, the rest as allocated."""
     def change(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         last = torch.arange(v.shape[-1], device=v.device) >= v.shape[-1] - n
-        return torch.where(h.present & last, v.clamp_min(OPTION[2]), v).to(v.dtype), k.clamp_min(OPTION[2])
+        return torch.where(h.present & last, v.clamp_min(OPTION[2]), v), k_at_least_2(i, h, v, k)[1]
     return change
 
 
