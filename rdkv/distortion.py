@@ -89,6 +89,9 @@ class LayerTables:
     # [B, H, T] the largest attention any reconstruction query paid each token (rdkv.reconstruct), None for
     # other weights: what split="peak" ranks the tokens of every layer by (rdkv.solvers.allocate.layer_budgets)
     peak: torch.Tensor | None = None
+    # the lowest K option every block keeps (0: channel means allowed; 1: 2 bits or more: on sliding-window layers
+    # with rdkv.methods.Eviction.window_end), which the solver charges each kept token for (rdkv.solvers.allocate)
+    k_least: int = 0
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""

@@ -82,29 +82,52 @@ def _solve_linear(tables: list, b: int, budget: float, passes: int) -> tuple[lis
     dv = [t.dv[b].masked_fill(_eviction_of(t.protect[b], t.dv.shape[-1]), float("inf"))[t.present[b]] for t in tables]
     rv = [t.rv.to(dev).expand(len(d), -1) for t, d in zip(tables, dv)]
     dk = [t.dk[b].flatten(0, 1) for t in tables]
+    # K blocks held at k_least or more: each kept token (and each stream once) is charged its K row at k_least
+    # up front, so that phase 2 can always afford it, and K is priced for what it costs above that
+    least = [_k_least_bound(t) for t in tables]
+    rv_least = [r + per * (torch.arange(r.shape[1], device=dev) > 0) for r, (_, per) in zip(rv, least)]
+    dk = [d.index_fill(1, torch.arange(t.k_least, device=dev), float("inf")) for t, d in zip(tables, dk)]
+    budget_least = budget - sum(one * t.dk.shape[1] for t, (one, _) in zip(tables, least))
+
+    def k_rates(t, n: torch.Tensor, bound: tuple[float, float]) -> torch.Tensor:
+        r = t.rk(n)
+        if t.k_least:
+            r = (r - (bound[0] + n.double().unsqueeze(-1) * bound[1]) / t.dk.shape[2]).clamp_min(0)
+        return r.repeat_interleave(t.dk.shape[2], 0)
+
     n_kept = [t.present[b].sum(-1) for t in tables]  # [H] tokens per stream; first pass: all of them
     nv = sum(len(d) for d in dv)
     for p in range(passes):
         # never below the cost of width 0 (2 bytes per channel mean): phase 2 must always afford it
-        rk = [t.rk(n).clamp_min(float(t.rk(torch.zeros(()))[0])).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)]
+        rk = [k_rates(t, n, q).clamp_min(0 if t.k_least else float(t.rk(torch.zeros(()))[0])) for t, n, q in zip(tables, n_kept, least)]
         D = torch.cat([torch.cat(dv), torch.cat(dk)]).double()
-        R = torch.cat([torch.cat(rv), torch.cat(rk)])
+        R = torch.cat([torch.cat(rv_least), torch.cat(rk)])
         # no swap search here: on SmolLM2's 1k probe it changed the total modelled distortion by -1.7..+4.6%
         # at 21-70x the time (scripts/bench_allocation.py; 30 per-layer instances x passes x up to 96 re-solves)
         try:
-            choice = lagrangian(D, R, budget, swap=False)
+            choice = lagrangian(D, R, budget_least, swap=False)
         except Infeasible as e:  # stated against the whole budget, so that a caller can scale it
-            raise Infeasible(str(e), e.need + fixed, e.budget + fixed) from e
+            raise Infeasible(str(e), e.need + budget - budget_least + fixed, budget + fixed) from e
         v_choice = choice[:nv].split([len(d) for d in dv])
         v_widths = _widths(tables, b, v_choice)
         n_kept = [(full > 0).sum(-1) for full in v_widths]
         if p + 1 < passes:
             dv = [_reprice(t, b, d, full) for t, d, full in zip(tables, dv, v_widths)]
-    spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv, v_choice))
-    rk2 = torch.cat([t.rk(n).repeat_interleave(t.dk.shape[2], 0) for t, n in zip(tables, n_kept)])
-    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget - spent_v, swap=False)
+    spent_v = sum(float(r.gather(1, c.unsqueeze(1)).sum()) for r, c in zip(rv_least, v_choice))
+    rk2 = torch.cat([k_rates(t, n, q) for t, n, q in zip(tables, n_kept, least)])
+    k_choice = lagrangian(torch.cat(dk).double(), rk2, budget_least - spent_v, swap=False)
     k_widths = [c.view(t.dk.shape[1], t.dk.shape[2]) for t, c in zip(tables, k_choice.split([len(d) for d in dk]))]
     return dv, _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
+
+
+def _k_least_bound(t) -> tuple[float, float]:
+    """A stream's bytes for its K blocks at option ``t.k_least``, bounded as ``one + n * per_token`` for ``n`` kept
+    tokens (the bound :func:`_refill_v` uses): ``(one, per_token)``; ``(0, 0)`` where channel means are allowed."""
+    if not t.k_least:
+        return 0.0, 0.0
+    at = t.rk(torch.tensor([1.0, float(t.page), 0.0]))[:, t.k_least] * t.dk.shape[2]  # every block at 1, a page, 0 tokens
+    per_token = float(at[1] - at[2]) / t.page
+    return float(at[0]) - per_token, per_token
 
 
 def _eviction_of(tokens: torch.Tensor, options: int) -> torch.Tensor:
@@ -186,9 +209,11 @@ PEAK_WIDTH = 2  # split="peak" ranks as many tokens as the budget buys at this o
 
 
 def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", floor: float = 0.0) -> list[float]:
-    """Sequence ``b``'s ``budget`` split across layers. ``"bytes"``: in proportion to each layer's fp16 bytes.
-    ``"peak"``: each layer gets the least it can be packed in (its protected tokens at 2 bits, its K blocks at
-    channel means, a 2-bit page more per stream) plus, of the rest, its share of one top-k over the evictable
+    """Sequence ``b``'s ``budget`` split across layers. Each layer gets at least the least it can be packed in
+    (:func:`_least`) where the budget holds every layer's. ``"bytes"``: in proportion to each layer's fp16 bytes,
+    the layers whose part would fall below their least raised to it and the others' parts lowered in proportion
+    (it binds where a layer protects many tokens for its bytes: ``window_end`` on a sliding-window layer).
+    ``"peak"``: each layer gets its least plus, of the rest, its share of one top-k over the evictable
     tokens of every layer and head ranked by :attr:`rdkv.distortion.LayerTables.peak` (the largest attention a
     reconstruction query paid each), k being the tokens the rest buys at 4 bits (a V row and as much K each).
     That is KVzip's ranking (Kim et al. 2025: one top-k over all layers and heads): the layers that copy from the
@@ -200,13 +225,17 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", flo
     if split not in SPLITS:
         raise ValueError(f"unknown layer split {split!r}; use one of {SPLITS}")
     fp16 = torch.tensor([float(t.present[b].sum()) * float(t.rv[-1]) for t in tables], dtype=torch.float64)
+    least = torch.tensor([_least(t, b) for t in tables], dtype=torch.float64)
     if split == "bytes":
-        return (budget * fp16 / fp16.sum()).tolist()
+        parts, low = budget * fp16 / fp16.sum(), torch.zeros(len(tables), dtype=torch.bool)
+        if float(least.sum()) > budget:  # no split holds every layer's least: the solver says so
+            return parts.tolist()
+        while (raise_ := (parts < least) & ~low).any():  # each round fixes at least one more layer at its least
+            low |= raise_
+            parts = torch.where(low, least, (budget - least[low].sum()) * fp16 / fp16[~low].sum())
+        return parts.tolist()
     if any(t.peak is None for t in tables):
         raise ValueError('split="peak" ranks tokens by the reconstruction pass\'s peaks: use weights="reconstruct"')
-    held = [t.protect[b].sum(-1) for t in tables]  # [H] tokens each stream keeps in any case
-    least = torch.tensor([t.fixed + float(((n + t.page) * t.rv[1]).sum() + t.rk(n)[:, 0].sum() * t.dk.shape[2])
-                          for t, n in zip(tables, held)], dtype=torch.float64)
     free = [t.present[b] & ~t.protect[b] for t in tables]
     scores = torch.cat([t.peak[b][f] for t, f in zip(tables, free)])
     layer = torch.cat([torch.full((int(f.sum()),), i) for i, f in enumerate(free)])
@@ -215,6 +244,16 @@ def layer_budgets(tables: list, b: int, budget: float, split: str = "bytes", flo
     top = torch.bincount(layer[scores.topk(k).indices], minlength=len(tables)).double()
     share = (1 - floor) * top / top.sum() + floor * fp16 / fp16.sum() if k else fp16 / fp16.sum()
     return (least + (budget - least.sum()) * share).tolist()
+
+
+def _least(t, b: int) -> float:
+    """The bytes a layer of sequence ``b`` is packed in at the least: its protected tokens and a page more per
+    stream at 2 bits, their K rows at ``t.k_least`` (:func:`_k_least_bound`; at channel means, none), and its
+    ``fixed`` bytes."""
+    n = t.protect[b].sum(-1).double() + t.page  # [H]
+    one, per_token = _k_least_bound(t)
+    k = one + n * per_token if t.k_least else t.rk(n)[:, 0] * t.dk.shape[2]
+    return t.fixed + float((n * t.rv[1] + k).sum())
 
 
 def _top(score: torch.Tensor, need: torch.Tensor, most: int) -> torch.Tensor:

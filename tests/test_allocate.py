@@ -14,11 +14,13 @@ SPEC = PackSpec(**SMALL)
 H, T, D = 2, 512, 32
 
 
-def peaked_layer(seed: int = 0):
+def peaked_layer(seed: int = 0, flat: int = 0):
     """Tables of a layer whose window queries put almost all their mass on 5% of the tokens, with no
-    prior for unseen queries (a query-aware allocation): the rest are nearly free to evict."""
+    prior for unseen queries (a query-aware allocation): the rest are nearly free to evict. ``flat``: that many
+    key channels are constant, so their channel means lose nothing."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    k[..., D - flat:] = 1.0
     mass = torch.rand(1, H, T, generator=g) * 1e-4
     hot = torch.randperm(T, generator=g)[: T // 20]
     mass[..., hot] = 64 / len(hot) * (1 + torch.rand(len(hot), generator=g))
@@ -85,3 +87,57 @@ def test_split_floor_hands_its_share_of_the_rest_out_by_bytes():
         v, k = allocate([hot, cold], [budget], "layer", split="peak", floor=f)
         for t, part, vo, ko in zip((hot, cold), parts, v, k):
             assert spent(t, vo, ko) + t.fixed <= part
+
+
+def test_k_least_keeps_every_key_block_at_2_bits_within_the_budget():
+    """k_least=1 (rdkv.methods.Eviction.window_end's sliding-window layers): no K block is left as channel means, at
+    budgets where without it the flat ones are, and the layer still fits its budget and spends it to within whole
+    pages. The solver charges each kept token its 2-bit K row up front: that bound holds for any number of kept
+    tokens, so the last pass can keep more tokens than an earlier one priced K for and still afford 2 bits."""
+    from rdkv.solvers.allocate import _k_least_bound
+
+    plain = peaked_layer(flat=D // 2)
+    floored = replace(plain, k_least=1)
+    one, per_token = _k_least_bound(floored)
+    n = torch.arange(T + 1)
+    assert (floored.rk(n)[:, 1] * floored.dk.shape[2] <= one + n * per_token + 1e-9).all()
+    for frac in (0.05, 0.1, 0.25):
+        budget = frac * H * T * 4 * D
+        _, k0 = allocate([plain], [budget + plain.fixed], "layer", passes=3)
+        v, k = allocate([floored], [budget + floored.fixed], "layer", passes=3)
+        assert (k0[0] == 0).sum() == H  # each stream's flat block
+        assert (k[0] >= 1).all()
+        got = spent(floored, v[0], k[0])
+        # spent to within one stream's page at 16 bits (V rows and keys of 32 tokens: 63% of the budget at 5%,
+        # 13% at 25%; measured 88% / 93% / 100% spent at 5 / 10 / 25%)
+        assert budget - floored.page * (float(floored.rv[4]) + 2 * D) <= got <= budget
+
+
+def test_bytes_split_raises_a_layer_to_the_least_it_packs_in():
+    """split="bytes" gives each layer at least its least: the protected tokens and a page more per stream at 2 bits,
+    with 2-bit K rows where k_least=1. A layer protecting 320 tokens with 2-bit keys needs more than half of a 10%
+    budget split evenly, so it gets exactly its least and the other layer the rest; where every part covers its
+    least (40%), the split is by bytes alone. Each layer's allocation fits its part and keeps its protected tokens
+    with 2-bit keys. Where the budget cannot hold both leasts, the parts stay by bytes and the solver raises."""
+    from rdkv.solvers.allocate import Infeasible, _k_least_bound
+
+    plain = peaked_layer(0)
+    protect = torch.zeros(1, H, T, dtype=torch.bool)
+    protect[..., -320:] = True
+    guarded = replace(peaked_layer(1), protect=protect, k_least=1)
+    one, per_token = _k_least_bound(guarded)
+    n = 320 + guarded.page
+    least = guarded.fixed + H * (n * float(guarded.rv[1]) + one + n * per_token)
+    fp16 = 2 * H * T * 4 * D
+    budget = 0.1 * fp16
+    assert least > budget / 2
+    parts = layer_budgets([plain, guarded], 0, budget, "bytes")
+    assert parts == pytest.approx([budget - least, least])
+    v, k = allocate([plain, guarded], [budget], "layer")
+    for t, part, vo, ko in zip((plain, guarded), parts, v, k):
+        assert spent(t, vo, ko) + t.fixed <= part
+    assert (v[1][0, :, -320:] > 0).all() and (k[1] >= 1).all()
+    assert layer_budgets([plain, guarded], 0, 0.4 * fp16, "bytes") == pytest.approx([0.2 * fp16] * 2)
+    assert layer_budgets([plain, guarded], 0, 0.9 * least, "bytes") == pytest.approx([0.45 * least] * 2)
+    with pytest.raises(Infeasible):
+        allocate([plain, guarded], [0.9 * least], "layer")

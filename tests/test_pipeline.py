@@ -150,6 +150,30 @@ def test_gemma3_sliding_window_layers_decode_like_the_full_cache():
     assert cache.nbytes <= 0.3 * cache.fp16_bytes
 
 
+def test_window_end_holds_each_sliding_windows_end_with_real_keys():
+    """window_end=32 on a Gemma 3 whose sliding-window layers hold 63 tokens: with the question in the prompt at 10%
+    (bytes split) and asked later (peak split), each sliding-window layer keeps its last 32 tokens and every K block
+    at 2 bits or more, where without it its K blocks are left as channel means; the global layer's keys are
+    allocated as before (channel means are allowed there), and the budget holds. At 5% the sliding-window layers'
+    ends with 2-bit keys do not fit beside the global layer's least: a typed error says to raise the budget, and
+    the record compresses as before afterwards."""
+    model = tiny_gemma3(window=64)
+    rec, _ = recorded(model, torch.randint(0, 96, (1, 400), generator=torch.Generator().manual_seed(0)))
+    held = {}
+    for method in ("rdkv-aware", "rdkv-reconstruct"):
+        plain = rdkv.compress(rec, 0.1, method=method, **SMALL)
+        held[method] = plain.nbytes
+        ended = rdkv.compress(rec, 0.1, method=method, window_end=32, **SMALL)
+        assert ended.nbytes <= 0.1 * ended.fp16_bytes
+        for a, b in zip(plain.layers[:2], ended.layers[:2]):
+            assert (a.k_widths() == 0).any() and (b.k_widths() >= 2).all()
+            assert (b.v_widths()[..., -32:] > 0).all()
+        assert (ended.layers[2].k_widths() == 0).any()
+    with pytest.raises(rdkv.BudgetInfeasible, match="raise the budget"):
+        rdkv.compress(rec, 0.05, method="rdkv-aware", window_end=48, **SMALL)
+    assert rdkv.compress(rec, 0.1, method="rdkv-aware", **SMALL).nbytes == held["rdkv-aware"]
+
+
 def test_two_compressions_of_one_prefill_are_independent(llama):
     ids, nxt = torch.randint(0, 96, (1, 90)), torch.randint(0, 96, (1, 3))
     rec, _ = recorded(llama, ids)

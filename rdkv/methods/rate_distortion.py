@@ -204,19 +204,26 @@ class Eviction:
     """Whether tokens may be evicted (``allowed``), which may not (the sequence's first ``sinks`` real tokens
     and the prefill's last ``recent``), and the value an evicted token's error is measured from (``to``:
     :data:`rdkv.distortion.EVICT_TO`). ``jointly`` re-prices each pass's eviction from the set the previous
-    pass evicted (:func:`rdkv.distortion.joint_reprice`)."""
+    pass evicted (:func:`rdkv.distortion.joint_reprice`). ``window_end``: on sliding-window layers the prefill's
+    last ``window_end`` tokens are protected as well and no K block is left as its channel means (every block keeps
+    2 bits or more, charged to the tokens kept), the layer's budget raised to hold them
+    (:func:`rdkv.solvers.allocate.layer_budgets`): a later question's first tokens read the window's end, and keys
+    that are only channel means cannot tell its tokens apart (docs/experiments.md, 2026-12-08)."""
 
     allowed: bool = True
     sinks: int = 4
     recent: int = 32
     to: str = "heavy"
     jointly: bool = False
+    window_end: int = 0
 
     def __post_init__(self) -> None:
         if self.to not in EVICT_TO:
             raise RDKVError(f"evict_to={self.to!r} is not one of {EVICT_TO}")
         if self.sinks < 0 or self.recent < 0:
             raise RDKVError("sinks and recent must be >= 0")
+        if isinstance(self.window_end, bool) or not isinstance(self.window_end, int) or self.window_end < 0:
+            raise RDKVError(f"window_end must be an int >= 0 (tokens at each sliding window's end), got {self.window_end!r}")
         if self.jointly and self.to == "kept":
             raise RDKVError("evict_jointly re-prices eviction itself: use it with an evict_to other than 'kept'")
 
@@ -225,7 +232,12 @@ class Eviction:
         # sinks are the sequence's first real (unpadded) tokens: a sliding-window layer that no longer holds them
         # protects none, not the oldest tokens it holds, which are about to leave its window
         first = (st.valid.cumsum(-1)[:, None, start:] <= self.sinks).expand_as(present)
-        return first | (pos >= st.seen - self.recent) | (not self.allowed)
+        recent = max(self.recent, self.window_end) if st.sliding_window is not None else self.recent
+        return first | (pos >= st.seen - recent) | (not self.allowed)
+
+    def k_least(self, st: LayerStats) -> int:
+        """The lowest K option a layer's blocks keep (:attr:`rdkv.distortion.LayerTables.k_least`)."""
+        return int(bool(self.window_end) and st.sliding_window is not None)
 
     def joint(self, st: LayerStats, start: int, window: int | None) -> JointEviction | None:
         if not self.jointly:
@@ -286,6 +298,7 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "carry": ("prior", "carry"),
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
+    "window_end": ("eviction", "window_end"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
     "split": ("solve", "split"), "split_floor": ("solve", "split_floor"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
@@ -361,7 +374,7 @@ class RDKV(Method):
         tables = layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
                               w.q_floor, protect=protect, prerope=self.prerope, gain=gain,
                               joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
-        return tables, carried
+        return replace(tables, k_least=ev.k_least(st)), carried
 
     def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
         gains = self.solve.layer_gains or (1.0,) * len(layers)
