@@ -18,7 +18,8 @@ change and answers question ``--question`` through it:
 * ``sliding-window layers whole at W bits`` (hybrid models): every token and K block of those layers at W, above or
   below the allocation's widths, the full-attention layers as allocated;
 * ``sliding-window layers' last N tokens at 2 bits``: those tokens' V rows at 2 bits or more and every K block of
-  those layers at 2 bits or more, the rest as allocated (how much of the window a later question needs);
+  those layers at 2 bits or more, the rest as allocated (how much of the window a later question needs); and the
+  same with K as allocated (whether the window's end needs its keys too);
 * ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
   full-attention layers of a hybrid model, else none): whether that layer's compression is enough to lose the
   answer, or needed to; ``layer i's evicted tokens back at W bits``: whether that layer's eviction is.
@@ -73,11 +74,12 @@ def k_at_least_2(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tupl
     return v, k.clamp_min(OPTION[2])
 
 
-def tail(n: int) -> Change:
-    """The layer's last ``n`` tokens at 2 bits or more (V) and its K blocks at 2 bits or more, the rest as allocated."""
+def tail(n: int, keys: bool = True) -> Change:
+    """The layer's last ``n`` tokens at 2 bits or more (V) and, with ``keys``, its K blocks at 2 bits or more, the
+    rest as allocated."""
     def change(i: int, h: HeldLayer, v: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         last = torch.arange(v.shape[-1], device=v.device) >= v.shape[-1] - n
-        return torch.where(h.present & last, v.clamp_min(OPTION[2]), v), k_at_least_2(i, h, v, k)[1]
+        return torch.where(h.present & last, v.clamp_min(OPTION[2]), v), k_at_least_2(i, h, v, k)[1] if keys else k
     return change
 
 
@@ -96,6 +98,7 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
     if sliding:
         rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
         rows += [(f"sliding-window layers' last {n} tokens at 2 bits", on(sliding, tail(n))) for n in TAILS]
+        rows += [(f"the same, last {n}, K as allocated", on(sliding, tail(n, keys=False))) for n in TAILS[1:3]]
     for i in layers:
         rows += [(f"layer {i} at 16 bits", on({i}, whole(16))),
                  (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]

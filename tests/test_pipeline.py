@@ -174,6 +174,24 @@ def test_window_end_holds_each_sliding_windows_end_with_real_keys():
     assert rdkv.compress(rec, 0.1, method="rdkv-aware", **SMALL).nbytes == held["rdkv-aware"]
 
 
+def test_window_end_layers_early_keeps_only_the_ends_before_the_first_full_attention_layer():
+    """window_end_layers="early" on a Gemma 3 laid out sliding, full, sliding: the first sliding-window layer keeps its
+    last 32 tokens with 2-bit keys, the one after the full-attention layer is allocated as without window_end (its K
+    blocks left as channel means), in rdkv.compress at 10% and in rdkv.prefill at 15% (which packs each layer as its
+    attention returns); "all" holds both ends."""
+    model = tiny_gemma3(window=64, layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+    ids = torch.randint(0, 96, (1, 400), generator=torch.Generator().manual_seed(0))
+    rec, _ = recorded(model, ids)
+    early = dict(method="rdkv-aware", window_end=32, window_end_layers="early", **SMALL)
+    # rdkv.prefill gives each layer its own part of the budget: at 10% the first layer's cannot hold its end
+    for cache in (rdkv.compress(rec, 0.1, **early), rdkv.prefill(model, ids, 0.15, **early)):
+        first, _, last = cache.layers
+        assert (first.k_widths() >= 2).all() and (first.v_widths()[..., -32:] > 0).all()
+        assert (last.k_widths() == 0).any()
+    both = rdkv.compress(rec, 0.1, method="rdkv-aware", window_end=32, **SMALL)
+    assert all((both.layers[i].k_widths() >= 2).all() for i in (0, 2))
+
+
 def test_two_compressions_of_one_prefill_are_independent(llama):
     ids, nxt = torch.randint(0, 96, (1, 90)), torch.randint(0, 96, (1, 3))
     rec, _ = recorded(llama, ids)
