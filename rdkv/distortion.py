@@ -89,9 +89,15 @@ class LayerTables:
     # [B, H, T] the largest attention any reconstruction query paid each token (rdkv.reconstruct), None for
     # other weights: what split="peak" ranks the tokens of every layer by (rdkv.solvers.allocate.layer_budgets)
     peak: torch.Tensor | None = None
-    # the lowest K option every block keeps (0: channel means allowed; 1: 2 bits or more: on sliding-window layers
-    # with rdkv.methods.Eviction.window_end), which the solver charges each kept token for (rdkv.solvers.allocate)
-    k_least: int = 0
+    # [B, H, T] the tokens protected as the end of a sliding window (rdkv.methods.Eviction.window_end), None where
+    # the layer holds none: held with every K block at 2 bits or more where they fit (rdkv.solvers.allocate.ENDS_SHARE)
+    ends: torch.Tensor | None = None
+
+    @property
+    def k_least(self) -> int:
+        """The lowest K option every block keeps, which the solver charges each kept token for
+        (:mod:`rdkv.solvers.allocate`): 1 (2 bits) while the layer holds its window's end, else 0 (channel means)."""
+        return int(self.ends is not None)
 
     def rk(self, n: torch.Tensor) -> torch.Tensor:
         """Bytes of one K block at each width when its stream keeps ``n`` tokens: [..., 5]."""

@@ -166,14 +166,12 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, budget: float = 0.1
     distortion: dict[int, float] = {}
     staged: dict[int, tuple[LayerStats, tuple, tuple]] = {}
     carried: torch.Tensor | None = None  # the prior's profile from the layers packed so far (in order)
-    past_full = False  # a full-attention layer has been packed (layers pack in order)
 
     def pack(i: int, st: LayerStats, surprise: torch.Tensor | None) -> None:
-        nonlocal carried, past_full
+        nonlocal carried
         held = held_layer(model, st, i, m)
         fp16[i] = [fp16_bytes(int(n), held.k.shape[-1]) for n in held.present.sum((1, 2))]
-        tables, carried = m.tables(held, surprise, carried=carried, early=not past_full)
-        past_full |= st.sliding_window is None
+        tables, carried = m.tables(held, surprise, carried=carried)
         try:
             alloc = m.solved([tables], fp16[i], budget)
         except Infeasible as e:

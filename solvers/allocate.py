@@ -15,6 +15,7 @@ V classes are made whole pages (:func:`fit_pages`), so what the solver charged i
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -120,6 +121,20 @@ def _solve_linear(tables: list, b: int, budget: float, passes: int) -> tuple[lis
     return dv, _refill_v(tables, b, budget, dv, rv, v_choice, k_widths), k_widths
 
 
+ENDS_SHARE = 0.5  # the most of a sequence's budget the window ends (LayerTables.ends) may take (docs/experiments.md, 2026-12-08)
+
+
+def _held_ends(tables: list, b: int, budget: float) -> list:
+    """The tables as sequence ``b`` is solved: the layers' window ends (:attr:`rdkv.distortion.LayerTables.ends`) held
+    where the least those layers pack in (:func:`_least`) is at most :data:`ENDS_SHARE` of ``budget``, else left to
+    the solver like any other token, K channel means allowed: where the ends would take most of the budget, the
+    layers that read the context have too little left (Gemma 3 at 4k and 2.5%: the full cache's answers all lost)."""
+    held = [t for t in tables if t.ends is not None]
+    if not held or sum(_least(t, b) for t in held) <= ENDS_SHARE * budget:
+        return tables
+    return [t if t.ends is None else replace(t, protect=t.protect & ~t.ends, ends=None) for t in tables]
+
+
 def _k_least_bound(t) -> tuple[float, float]:
     """A stream's bytes for its K blocks at option ``t.k_least``, bounded as ``one + n * per_token`` for ``n`` kept
     tokens (the bound :func:`_refill_v` uses): ``(one, per_token)``; ``(0, 0)`` where channel means are allowed."""
@@ -194,10 +209,12 @@ def allocate(tables: list, budgets: list[float], scope: str = "global", passes: 
         raise ValueError(f"unknown allocation scope {scope!r}; use 'global' or 'layer'")
     per_seq = []
     for b, budget in enumerate(budgets):
+        tables_b = _held_ends(tables, b, budget)
         if scope == "global":
-            per_seq.append(_solve_sequence(tables, b, budget, passes))
+            per_seq.append(_solve_sequence(tables_b, b, budget, passes))
             continue
-        parts = [_solve_sequence([t], b, part, passes) for t, part in zip(tables, layer_budgets(tables, b, budget, split, floor))]
+        parts = [_solve_sequence([t], b, part, passes)
+                 for t, part in zip(tables_b, layer_budgets(tables_b, b, budget, split, floor))]
         per_seq.append(([p[0][0] for p in parts], [p[1][0] for p in parts]))
     v = [torch.stack([s[0][i] for s in per_seq]) for i in range(len(tables))]
     k = [torch.stack([s[1][i] for s in per_seq]) for i in range(len(tables))]

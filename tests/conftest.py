@@ -23,13 +23,12 @@ def tiny_llama(seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def tiny_gemma3(seed: int = 0, window: int = 16, layer_types: tuple[str, ...] = ("sliding_attention", "sliding_attention",
-               "full_attention")) -> Gemma3ForCausalLM:
+def tiny_gemma3(seed: int = 0, window: int = 16) -> Gemma3ForCausalLM:
     """A random-weight Gemma 3: MQA, q/k norms, sliding-window layers (``window``) and one full layer."""
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
-                           layer_types=list(layer_types),
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                            max_position_embeddings=1024)
     return Gemma3ForCausalLM(cfg).eval()
 

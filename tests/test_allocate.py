@@ -90,14 +90,16 @@ def test_split_floor_hands_its_share_of_the_rest_out_by_bytes():
 
 
 def test_k_least_keeps_every_key_block_at_2_bits_within_the_budget():
-    """k_least=1 (rdkv.methods.Eviction.window_end's sliding-window layers): no K block is left as channel means, at
-    budgets where without it the flat ones are, and the layer still fits its budget and spends it to within whole
-    pages. The solver charges each kept token its 2-bit K row up front: that bound holds for any number of kept
-    tokens, so the last pass can keep more tokens than an earlier one priced K for and still afford 2 bits."""
+    """A layer that holds its window's end (rdkv.methods.Eviction.window_end; here an empty one) keeps every K block
+    at 2 bits or more, at budgets where without it the flat blocks are channel means, and still fits its budget and
+    spends it to within whole pages. The solver charges each kept token its 2-bit K row up front: that bound holds
+    for any number of kept tokens, so the last pass can keep more tokens than an earlier one priced K for and still
+    afford 2 bits."""
     from rdkv.solvers.allocate import _k_least_bound
 
     plain = peaked_layer(flat=D // 2)
-    floored = replace(plain, k_least=1)
+    floored = replace(plain, ends=torch.zeros_like(plain.protect))
+    assert plain.k_least == 0 and floored.k_least == 1
     one, per_token = _k_least_bound(floored)
     n = torch.arange(T + 1)
     assert (floored.rk(n)[:, 1] * floored.dk.shape[2] <= one + n * per_token + 1e-9).all()
@@ -113,31 +115,39 @@ def test_k_least_keeps_every_key_block_at_2_bits_within_the_budget():
         assert budget - floored.page * (float(floored.rv[4]) + 2 * D) <= got <= budget
 
 
-def test_bytes_split_raises_a_layer_to_the_least_it_packs_in():
+def test_bytes_split_raises_a_layer_to_the_least_it_packs_in_and_ends_give_way_past_their_share():
     """split="bytes" gives each layer at least its least: the protected tokens and a page more per stream at 2 bits,
-    with 2-bit K rows where k_least=1. A layer protecting 320 tokens with 2-bit keys needs more than half of a 10%
-    budget split evenly, so it gets exactly its least and the other layer the rest; where every part covers its
-    least (40%), the split is by bytes alone. Each layer's allocation fits its part and keeps its protected tokens
-    with 2-bit keys. Where the budget cannot hold both leasts, the parts stay by bytes and the solver raises."""
-    from rdkv.solvers.allocate import Infeasible, _k_least_bound
+    with 2-bit K rows where the layer holds its window's end. Of three equal layers, one holding 320 tokens as its
+    end needs more than a third of a 10% budget and at most ENDS_SHARE of it: it gets exactly its least, the others
+    the rest in equal parts, and keeps those tokens with 2-bit keys, each layer within its part. Where every part
+    covers its least (40%) the split is by bytes alone; where the least does not fit at all the parts stay by bytes
+    (the solver raises). At 7% the end would take more than ENDS_SHARE of the budget: it is left to the solver
+    like any other token (most of it evicted, nearly free by these weights) and the split is by bytes."""
+    from rdkv.solvers.allocate import ENDS_SHARE, _k_least_bound, _least
 
-    plain = peaked_layer(0)
     protect = torch.zeros(1, H, T, dtype=torch.bool)
     protect[..., -320:] = True
-    guarded = replace(peaked_layer(1), protect=protect, k_least=1)
+    plain, other = peaked_layer(0), peaked_layer(2)
+    guarded = replace(peaked_layer(1), protect=protect, ends=protect)
     one, per_token = _k_least_bound(guarded)
     n = 320 + guarded.page
     least = guarded.fixed + H * (n * float(guarded.rv[1]) + one + n * per_token)
-    fp16 = 2 * H * T * 4 * D
+    assert _least(guarded, 0) == pytest.approx(least)
+    fp16 = 3 * H * T * 4 * D
     budget = 0.1 * fp16
-    assert least > budget / 2
-    parts = layer_budgets([plain, guarded], 0, budget, "bytes")
-    assert parts == pytest.approx([budget - least, least])
-    v, k = allocate([plain, guarded], [budget], "layer")
-    for t, part, vo, ko in zip((plain, guarded), parts, v, k):
+    assert budget / 3 < least <= ENDS_SHARE * budget
+    layers = [plain, guarded, other]
+    parts = layer_budgets(layers, 0, budget, "bytes")
+    assert parts == pytest.approx([(budget - least) / 2, least, (budget - least) / 2])
+    v, k = allocate(layers, [budget], "layer")
+    for t, part, vo, ko in zip(layers, parts, v, k):
         assert spent(t, vo, ko) + t.fixed <= part
     assert (v[1][0, :, -320:] > 0).all() and (k[1] >= 1).all()
-    assert layer_budgets([plain, guarded], 0, 0.4 * fp16, "bytes") == pytest.approx([0.2 * fp16] * 2)
-    assert layer_budgets([plain, guarded], 0, 0.9 * least, "bytes") == pytest.approx([0.45 * least] * 2)
-    with pytest.raises(Infeasible):
-        allocate([plain, guarded], [0.9 * least], "layer")
+    assert layer_budgets(layers, 0, 0.4 * fp16, "bytes") == pytest.approx([0.4 * fp16 / 3] * 3)
+    assert layer_budgets(layers, 0, 0.9 * least, "bytes") == pytest.approx([0.3 * least] * 3)
+    small = 0.07 * fp16
+    assert least > ENDS_SHARE * small
+    v, k = allocate(layers, [small], "layer")
+    assert (v[1][0, :, -320:] == 0).float().mean() > 0.5
+    for t, vo, ko in zip(layers, v, k):
+        assert spent(t, vo, ko) + t.fixed <= small / 3

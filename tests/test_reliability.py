@@ -46,7 +46,7 @@ def test_bad_budgets_raise_and_change_nothing(prefilled, budget, match):
     (dict(floor=-1.0), "must be >= 0"), (dict(pool_weights=4), "positive odd"), (dict(passes=0), "passes must be"),
     (dict(pool_forward=-2), "pool_forward must be"),
     (dict(pool_back=1.5), "pool_back must be"), (dict(window_end=-1), "window_end must be"),
-    (dict(window_end=True), "window_end must be"), (dict(window_end_layers="late"), "window_end_layers="),
+    (dict(window_end=True), "window_end must be"),
 ])
 def test_bad_options_raise(prefilled, kwargs, match):
     rec, _, _ = prefilled

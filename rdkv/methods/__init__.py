@@ -20,8 +20,11 @@ METHODS: dict[str, Method] = {
     "rdkv": RDKV(),
     # the question is in the prompt (query-aware): weigh what its window asked for, SnapKV-style pooled and
     # reaching the 15 tokens after each weighed one (an answer reads on past the token the question attends to:
-    # a needle's later digits), and keep no reserve for later questions (docs/experiments.md, 2026-12-02)
-    "rdkv-aware": RDKV("rdkv-aware", weights=Weights(pool=7, pool_forward=15), prior=Prior(surprisal=0.0)),
+    # a needle's later digits), and keep no reserve for later questions (docs/experiments.md, 2026-12-02); on
+    # sliding-window layers hold the window's last 128 tokens, the question, with 2-bit keys where that takes at
+    # most half the bytes (docs/experiments.md, 2026-12-08: Gemma 3 at 16k and 2.5%, 73% of the full cache -> 123%)
+    "rdkv-aware": RDKV("rdkv-aware", weights=Weights(pool=7, pool_forward=15), prior=Prior(surprisal=0.0),
+                       eviction=Eviction(window_end=128)),
     # models that mix sliding-window and global layers: all 256 recorded queries on global layers, window weights
     # per query that can see each token, sliding-layer tokens priced by how long a 512-token decode keeps them
     # visible (docs/experiments.md: on Gemma 3 at 10%, every needle the full cache answers, both protocols)

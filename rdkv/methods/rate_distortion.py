@@ -207,10 +207,10 @@ class Eviction:
     pass evicted (:func:`rdkv.distortion.joint_reprice`). ``window_end``: on sliding-window layers the prefill's
     last ``window_end`` tokens are protected as well and no K block is left as its channel means (every block keeps
     2 bits or more, charged to the tokens kept), the layer's budget raised to hold them
-    (:func:`rdkv.solvers.allocate.layer_budgets`); ``window_end_layers``: on which of them, ``"all"`` or ``"early"``
-    (those before the model's first full-attention layer). The question's tokens at the window's end are read with
-    their keys, and keys that are only channel means cannot tell them apart; on Gemma 3 the early layers' ends
-    bring lost answers back where every layer's do not fit 2.5% of the bytes (docs/experiments.md, 2026-12-08)."""
+    (:func:`rdkv.solvers.allocate.layer_budgets`), where the ends take at most half the budget
+    (:data:`rdkv.solvers.allocate.ENDS_SHARE`; past that they give way). The question's tokens at the window's end
+    are read with their keys, and keys that are only channel means cannot tell them apart (docs/experiments.md,
+    2026-12-08)."""
 
     allowed: bool = True
     sinks: int = 4
@@ -218,7 +218,6 @@ class Eviction:
     to: str = "heavy"
     jointly: bool = False
     window_end: int = 0
-    window_end_layers: str = "all"
 
     def __post_init__(self) -> None:
         if self.to not in EVICT_TO:
@@ -227,8 +226,6 @@ class Eviction:
             raise RDKVError("sinks and recent must be >= 0")
         if isinstance(self.window_end, bool) or not isinstance(self.window_end, int) or self.window_end < 0:
             raise RDKVError(f"window_end must be an int >= 0 (tokens at each sliding window's end), got {self.window_end!r}")
-        if self.window_end_layers not in ("all", "early"):
-            raise RDKVError(f"window_end_layers={self.window_end_layers!r} is not 'all' or 'early'")
         if self.jointly and self.to == "kept":
             raise RDKVError("evict_jointly re-prices eviction itself: use it with an evict_to other than 'kept'")
 
@@ -240,9 +237,9 @@ class Eviction:
         recent = max(self.recent, self.window_end) if ends else self.recent
         return first | (pos >= st.seen - recent) | (not self.allowed)
 
-    def ends(self, st: LayerStats, early: bool) -> bool:
-        """Whether a layer keeps its window's end (``window_end``); ``early``: no full-attention layer precedes it."""
-        return bool(self.window_end) and st.sliding_window is not None and (early or self.window_end_layers == "all")
+    def ends(self, st: LayerStats) -> bool:
+        """Whether a layer holds its window's end (``window_end``)."""
+        return bool(self.window_end) and st.sliding_window is not None
 
     def joint(self, st: LayerStats, start: int, window: int | None) -> JointEviction | None:
         if not self.jointly:
@@ -304,7 +301,6 @@ OPTIONS: dict[str, tuple[str | None, str]] = {
     "evict": ("eviction", "allowed"), "sinks": ("eviction", "sinks"), "recent": ("eviction", "recent"),
     "evict_to": ("eviction", "to"), "evict_jointly": ("eviction", "jointly"),
     "window_end": ("eviction", "window_end"),
-    "window_end_layers": ("eviction", "window_end_layers"),
     "scope": ("solve", "scope"), "passes": ("solve", "passes"), "layer_gains": ("solve", "layer_gains"),
     "split": ("solve", "split"), "split_floor": ("solve", "split_floor"),
     "distortion": (None, "distortion"), "prerope": (None, "prerope"),
@@ -361,19 +357,19 @@ class RDKV(Method):
         return replace(self, weights=replace(self.weights, window=self.weights.window or min(DEFAULT_WINDOW, rec.window)))
 
     def tables(self, layer: HeldLayer, surprise: torch.Tensor | None, gain: float = 1.0,
-               carried: torch.Tensor | None = None, early: bool = False) -> tuple[LayerTables, torch.Tensor | None]:
+               carried: torch.Tensor | None = None) -> tuple[LayerTables, torch.Tensor | None]:
         """The solver tables of one held layer, and the profile it carries to the next (:meth:`Prior.carried`;
-        None while ``carry`` is 0). Layers go in order, each given the previous one's profile as ``carried``, and
-        ``early`` while no full-attention layer has gone (:meth:`Eviction.ends`); ``surprise`` is
-        :meth:`Prior.surprise` of the record."""
+        None while ``carry`` is 0). Layers go in order, each given the previous one's profile as ``carried``;
+        ``surprise`` is :meth:`Prior.surprise` of the record."""
         st, k, v, start, present, _ = layer
         w, ev = self.weights, self.eviction
         sums = w.sums(st, start, self.prerope)
         if self.solve.split == "peak":  # the layers' shares come from the reconstruction pass, whatever the weights
             sums.peak = layer_sums(st, "reconstruct", start).peak
         prior = self.prior.of_layer(present, surprise, start, carried)
-        ends = ev.ends(st, early)
+        ends = ev.ends(st)
         protect = ev.protect(st, start, present, ends)
+        plain = ev.protect(st, start, present, False) if ends else protect
         if self.prior.carry and st.sliding_window is None:
             carried = self.prior.carried(carried, sums.mass2, present & ~protect, start)
         if w.horizon and st.sliding_window is not None:
@@ -382,16 +378,15 @@ class RDKV(Method):
         tables = layer_tables(k, v, present, sums, st.scaling, self.spec, st.seen, self.distortion, prior, ev.to,
                               w.q_floor, protect=protect, prerope=self.prerope, gain=gain,
                               joint=ev.joint(st, start, w.of_layer(st.sliding_window is not None)))
-        return replace(tables, k_least=int(ends)), carried
+        return replace(tables, ends=protect & ~plain & present if ends else None), carried
 
     def all_tables(self, rec: Record, layers: list[HeldLayer]) -> list[LayerTables]:
         gains = self.solve.layer_gains or (1.0,) * len(layers)
         if len(gains) != len(layers):
             raise RDKVError(f"layer_gains has {len(gains)} entries for a model of {len(layers)} layers")
-        surprise, carried, out, past_full = self.prior.surprise(rec), None, [], False
+        surprise, carried, out = self.prior.surprise(rec), None, []
         for h, g in zip(layers, gains):
-            tables, carried = self.tables(h, surprise, g, carried, early=not past_full)
-            past_full |= h.stats.sliding_window is None
+            tables, carried = self.tables(h, surprise, g, carried)
             out.append(tables)
         return out
 
