@@ -20,6 +20,8 @@ change and answers question ``--question`` through it:
 * ``sliding-window layers' last N tokens at 2 bits``: those tokens' V rows at 2 bits or more and every K block of
   those layers at 2 bits or more, the rest as allocated (how much of the window a later question needs); and the
   same with K as allocated (whether the window's end needs its keys too);
+* ``layers L's last 128 tokens at 2 bits``, for each ``--tails-on`` list L: the same on those sliding-window
+  layers only (which layers need the window's end);
 * ``layer i at 16 bits`` and ``every layer but i at 16 bits``, for each layer of ``--layers`` (by default the
   full-attention layers of a hybrid model, else none): whether that layer's compression is enough to lose the
   answer, or needed to; ``layer i's evicted tokens back at W bits``: whether that layer's eviction is.
@@ -88,7 +90,7 @@ def on(layers: set[int], change: Change) -> Change:
     return lambda i, h, v, k: change(i, h, v, k) if i in layers else (v, k)
 
 
-def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]]:
+def oracles(held: list[HeldLayer], layers: list[int], tails_on: list[list[int]] = ()) -> list[tuple[str, Change]]:
     """The rows of the module docstring, for these held layers."""
     sliding = {i for i, h in enumerate(held) if h.stats.sliding_window is not None}
     every = set(range(len(held)))
@@ -99,6 +101,8 @@ def oracles(held: list[HeldLayer], layers: list[int]) -> list[tuple[str, Change]
         rows += [(f"sliding-window layers whole at {w} bits", on(sliding, whole(w))) for w in (16, 2)]
         rows += [(f"sliding-window layers' last {n} tokens at 2 bits", on(sliding, tail(n))) for n in TAILS]
         rows += [(f"the same, last {n}, K as allocated", on(sliding, tail(n, keys=False))) for n in TAILS[1:3]]
+        rows += [(f"layers {','.join(map(str, group))}'s last 128 tokens at 2 bits", on(set(group) & sliding, tail(128)))
+                 for group in tails_on]
     for i in layers:
         rows += [(f"layer {i} at 16 bits", on({i}, whole(16))),
                  (f"every layer but {i} at 16 bits", on(every - {i}, whole(16)))]
@@ -115,6 +119,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--layers", type=int, nargs="*", default=None,
                     help="layers to give 16 bits, and to leave alone compressed, one at a time (default: the full-attention layers of a hybrid model)")
+    ap.add_argument("--tails-on", nargs="*", default=[], type=lambda x: [int(i) for i in x.split(",")],
+                    help="comma-separated sliding-window layers to give their last 128 tokens at 2 bits, one row per list (0,1,2,3,4)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     model, tok = rdkv.models.load(args.model)
@@ -137,7 +143,7 @@ def main() -> None:
     hybrid = any(h.stats.sliding_window is not None for h in held)
     layers = args.layers if args.layers is not None else [
         i for i, h in enumerate(held) if hybrid and h.stats.sliding_window is None]
-    for name, change in oracles(held, layers):
+    for name, change in oracles(held, layers, args.tails_on):
         packed = [pack_held(h, *change(i, h, v, k), perm, m.spec, dtype16(model))
                   for i, (h, v, k, perm) in enumerate(zip(held, alloc.v, alloc.k, alloc.perm))]
         cache = TriZoneCache(packed, fp16_bytes=int(sum(fp16)), method=m.name)

@@ -32,8 +32,9 @@ def run():
     out["after"] = [layer.v_widths()[0].float() for layer in rdkv.compress(rec, 0.25, method="rdkv-hybrid", horizon=None).layers]
     out["full"] = model(tail, past_key_values=copy.deepcopy(full)).logits[0].float()
     for end in (0, 128):
-        cache = rdkv.compress(rec, 0.05, method="rdkv-aware", window_end=end)
-        out["window_end", end] = (cache.nbytes / cache.fp16_bytes, cache.layers)
+        for budget in (0.05, 0.1):
+            cache = rdkv.compress(rec, budget, method="rdkv-aware", window_end=end)
+            out["window_end", end, budget] = (cache.nbytes / cache.fp16_bytes, cache.layers)
     return out
 
 
@@ -68,16 +69,17 @@ def test_layer_gains_differ_by_orders_of_magnitude_and_keep_the_prefill(run):
     assert all(torch.equal(a, b) for a, b in zip(run["after"], run["plain"][2]))
 
 
-def test_window_end_moves_bytes_to_the_sliding_windows_ends(run):
-    """rdkv-aware at 5% of a 1k prefill keeps fewer than 128 tokens in every sliding-window layer (measured: 64-96
-    tokens); with window_end=128 every sliding-window layer keeps its last 128 tokens with every K block
-    at 2 bits or more, the bytes taken from the global layers (measured: 288 of their tokens kept, against 512),
-    within the budget."""
-    (plain_frac, plain), (frac, ended) = run["window_end", 0], run["window_end", 128]
+def test_window_end_holds_the_sliding_windows_ends_where_they_fit(run):
+    """rdkv-aware at 10% of a 1k prefill: without window_end some sliding-window layers keep fewer than 128 tokens
+    (measured: 6 of the 15); with window_end=128 every sliding-window layer keeps its last 128 tokens with every K
+    block at 2 bits or more, within the budget (the ends take 43% of it). At 5% they would take 86%, more than
+    ENDS_SHARE: they give way, and the allocation is the one without them."""
     sliding = [i for i, kind in enumerate(run["types"]) if kind != "full_attention"]
-    assert all(int((plain[i].v_widths() > 0).sum()) < 128 for i in sliding)
-    assert frac <= 0.05 and plain_frac <= 0.05
+    frac, plain = run["window_end", 0, 0.1]
+    ended_frac, ended = run["window_end", 128, 0.1]
+    assert sum(int((plain[i].v_widths() > 0).sum()) < 128 for i in sliding) >= 3
+    assert frac <= 0.1 and ended_frac <= 0.1
     for i in sliding:
         assert bool((ended[i].k_widths() >= 2).all()) and bool((ended[i].v_widths()[..., -128:] > 0).all())
-    glob = [i for i in range(len(plain)) if i not in sliding]
-    assert sum(ended[i].nbytes for i in glob) < sum(plain[i].nbytes for i in glob)
+    (_, a), (_, b) = run["window_end", 0, 0.05], run["window_end", 128, 0.05]
+    assert all(torch.equal(x.v_widths(), y.v_widths()) and torch.equal(x.k_widths(), y.k_widths()) for x, y in zip(a, b))

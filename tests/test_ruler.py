@@ -158,15 +158,16 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     allocation fits the budget; the cache with every token at 16 bits holds the full cache (its bytes plus the
     packed format's metadata) and answers as it does; each partial change costs less than that and more than the
     allocation (so the allocation keeps some K blocks as channel means), and at 2 bits less than at 16; a longer
-    tail of the sliding-window layers costs more; one layer's evicted tokens cost less than every layer's and than
-    that layer whole; a layer's bytes are its own (one layer at 16 bits plus every other layer at 16 bits is the
-    allocation plus every layer at 16 bits)."""
+    tail of the sliding-window layers costs more, and less without its keys raised or on five of those layers; one
+    layer's evicted tokens cost less than every layer's and than that layer whole; a layer's bytes are its own (one
+    layer at 16 bits plus every other layer at 16 bits is the allocation plus every layer at 16 bits)."""
     import diag_oracles
     from conftest import load_real
 
     model, tok = load_real("gemma3-270m")
     monkeypatch.setattr(diag_oracles.rdkv.models, "load", lambda name: (model, tok))
-    monkeypatch.setattr(sys, "argv", ["diag_oracles.py", "--context", "1000", "--budget", "0.1", "--layers", "5"])
+    monkeypatch.setattr(sys, "argv", ["diag_oracles.py", "--context", "1000", "--budget", "0.1", "--layers", "5",
+                                      "--tails-on", "0,1,2,3,4"])
     diag_oracles.main()
     rows = [r.split(" | ") for r in capsys.readouterr().out.splitlines() if r.startswith("| ") and "---" not in r][1:]
     names = [r[0][2:] for r in rows]
@@ -174,7 +175,8 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
                      "evicted tokens back at 16 bits", "evicted tokens back at 2 bits", "K blocks at 2 bits or more",
                      "sliding-window layers whole at 16 bits", "sliding-window layers whole at 2 bits",
                      *(f"sliding-window layers' last {n} tokens at 2 bits" for n in diag_oracles.TAILS),
-                     "layer 5 at 16 bits", "every layer but 5 at 16 bits",
+                     "the same, last 128, K as allocated", "the same, last 256, K as allocated",
+                     "layers 0,1,2,3,4's last 128 tokens at 2 bits", "layer 5 at 16 bits", "every layer but 5 at 16 bits",
                      "layer 5's evicted tokens back at 2 bits", "layer 5's evicted tokens back at 16 bits"]
     size = {n: float(r[1]) for n, r in zip(names, rows)}  # printed to 4 decimals
     answer = {n: r[2].rstrip(" |") for n, r in zip(names, rows)}
@@ -188,6 +190,10 @@ def test_oracle_diagnosis_packs_the_allocation_with_one_part_changed_per_row(mon
     # a longer tail holds more, and less than the whole window at 16 bits
     tails = [size[f"sliding-window layers' last {n} tokens at 2 bits"] for n in diag_oracles.TAILS]
     assert tails == sorted(tails) and tails[0] < tails[-1] < size["sliding-window layers whole at 16 bits"]
+    # the same tokens without raising K cost less; five of the fifteen layers' ends, less than all of them
+    for n in (128, 256):
+        assert size[f"the same, last {n}, K as allocated"] < size[f"sliding-window layers' last {n} tokens at 2 bits"]
+    assert size["layers 0,1,2,3,4's last 128 tokens at 2 bits"] < size["sliding-window layers' last 128 tokens at 2 bits"]
     # one layer's evicted tokens are a part of every layer's, and of that layer whole
     assert size["layer 5's evicted tokens back at 16 bits"] < min(size["evicted tokens back at 16 bits"],
                                                                   size["layer 5 at 16 bits"])
