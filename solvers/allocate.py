@@ -8,7 +8,9 @@ each further pass (``passes``) re-solves with K charged for the tokens the previ
 K is not priced for tokens that will be evicted (with ``evict_to="kept"`` tables, each pass also re-prices
 eviction from the mean value of what the previous pass kept). Phase 2 re-solves the K blocks for the tokens the last
 pass kept, spending whatever is left. It always fits: width 0 (channel means) costs the same for any
-number of tokens, so phase 1's V choice leaves room for it. Phase 3 spends what is still left on V
+number of tokens, so phase 1's V choice leaves room for it; a layer that holds its window's end
+(``LayerTables.ends``) keeps every K block at 2 bits or more instead, and phase 1 charges each token it keeps its
+2-bit K row up front (a bound that holds for any number of tokens), which leaves room for that. Phase 3 spends what is still left on V
 upgrades, with those K widths fixed and each newly kept token charged its K row too. Last, each stream's
 V classes are made whole pages (:func:`fit_pages`), so what the solver charged is what the cache holds.
 """
